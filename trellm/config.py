@@ -1,0 +1,89 @@
+"""Frozen configuration, one dataclass per concern, composed by ``EngineConfig``.
+
+Nothing mutates a config after construction: derived values come from
+``resolve()`` methods that return new objects.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field, replace
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    """What to load and in which precision."""
+
+    model: str = ""
+    """GGUF file, Hugging Face directory, or 'dummy:<config.json>'; '' = embedded default."""
+    dtype: str = "auto"
+    """'auto' (float32 on CPU, bfloat16 on CUDA), 'float32', 'bfloat16' or 'float16'."""
+    device: str = "auto"
+    """'auto' (CUDA when available), 'cpu' or 'cuda'."""
+    max_model_len: int | None = None
+    """Context length; None = the model's own."""
+    seed: int = 0
+    """Seed for random ('dummy') weights."""
+    load_workers: int = 4
+    """Parallel readers for safetensors shards."""
+    tokenizer: str | None = None
+    """Tokenizer override (a Hugging Face directory or tokenizer.json)."""
+
+
+@dataclass(frozen=True)
+class CacheConfig:
+    """The paged KV cache."""
+
+    block_size: int = 16
+    """Tokens per KV block."""
+    kv_cache_memory: int | None = None
+    """Bytes for the KV pool; None = derived from gpu_memory_utilization (CUDA) or a CPU default."""
+    gpu_memory_utilization: float = 0.9
+    """Fraction of GPU memory the engine may use (weights + activations + KV)."""
+    num_gpu_blocks_override: int | None = None
+    """Force the pool to this many blocks (tests use it to force preemption)."""
+    enable_prefix_caching: bool = True
+    """Reuse KV blocks of identical prompt prefixes across requests."""
+    cpu_kv_cache_default: int = 2 << 30
+    """KV bytes on CPU when nothing else is said."""
+
+
+@dataclass(frozen=True)
+class SchedulerConfig:
+    """The token-budget scheduler."""
+
+    max_num_batched_tokens: int = 2048
+    """Token budget of one step (prefill chunks + decode tokens)."""
+    max_num_seqs: int = 64
+    """Most requests running at once."""
+    long_prefill_token_threshold: int = 0
+    """Most prompt tokens one request may take in one step; 0 = no cap."""
+    enable_chunked_prefill: bool = True
+    """Split a prompt over several steps when it exceeds the remaining budget."""
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    model: ModelConfig = field(default_factory=ModelConfig)
+    cache: CacheConfig = field(default_factory=CacheConfig)
+    scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
+
+    def with_model_len(self, max_model_len: int) -> "EngineConfig":
+        return replace(self, model=replace(self.model, max_model_len=max_model_len))
+
+    def validate(self) -> None:
+        s, c = self.scheduler, self.cache
+        if s.max_num_batched_tokens < 1:
+            raise ValueError("--max-num-batched-tokens must be >= 1")
+        if s.max_num_seqs < 1:
+            raise ValueError("--max-num-seqs must be >= 1")
+        if s.long_prefill_token_threshold < 0:
+            raise ValueError("--long-prefill-token-threshold must be >= 0")
+        if c.block_size < 1 or c.block_size & (c.block_size - 1):
+            raise ValueError("--block-size must be a power of two")
+        if not 0.0 < c.gpu_memory_utilization <= 1.0:
+            raise ValueError("--gpu-memory-utilization must be in (0, 1]")
+        if c.kv_cache_memory is not None and c.kv_cache_memory <= 0:
+            raise ValueError("--kv-cache-memory must be positive")
+        if self.model.dtype not in ("auto", "float32", "bfloat16", "float16"):
+            raise ValueError(f"unsupported --dtype {self.model.dtype!r}")
+        if self.model.device not in ("auto", "cpu", "cuda"):
+            raise ValueError(f"unsupported --device {self.model.device!r}")
