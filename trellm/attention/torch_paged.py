@@ -1,0 +1,113 @@
+"""Pure-PyTorch paged attention: always available, the CPU path and the oracle
+for the GPU kernels.
+
+The KV cache of one layer is a tensor [2, num_blocks, block_size, kv_heads, head_dim].
+A step's tokens are flattened into one batch; requests whose query is one token
+(decode) are attended together in one padded SDPA call, each longer query
+(prefill chunk) in its own call so no request pays for another's padding.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+
+@dataclass
+class DecodeGroup:
+    token_index: torch.Tensor
+    """[B] positions of the decode tokens in the flat batch."""
+    block_table: torch.Tensor
+    """[B, max_blocks] block ids (padding: 0, masked out by seq_lens)."""
+    seq_lens: torch.Tensor
+    """[B] context length including the new token."""
+    max_seq_len: int
+
+
+@dataclass
+class PrefillSeq:
+    q_start: int
+    q_len: int
+    seq_len: int
+    """Context length including this chunk (the chunk's first token is at seq_len - q_len)."""
+    block_ids: torch.Tensor
+    """[num_blocks] the request's blocks covering seq_len tokens."""
+
+
+@dataclass
+class AttentionMetadata:
+    slot_mapping: torch.Tensor
+    """[T] flat slot (block * block_size + offset) each new token's K/V is written to."""
+    decode: DecodeGroup | None
+    prefills: list[PrefillSeq]
+    block_size: int
+
+
+class TorchPagedAttention:
+    """Registry entry 'torch': works on any device and dtype."""
+
+    name = "torch"
+
+    @staticmethod
+    def supports(device: torch.device, dtype: torch.dtype) -> bool:
+        return True
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                kv_cache: torch.Tensor, meta: AttentionMetadata, scale: float) -> torch.Tensor:
+        """q: [T, Hq, D]; k, v: [T, Hk, D]; returns [T, Hq, D]."""
+        write_kv(kv_cache, k, v, meta.slot_mapping)
+        out = torch.empty_like(q)
+        if meta.decode is not None:
+            d = meta.decode
+            out[d.token_index] = paged_decode_reference(q[d.token_index], kv_cache, d.block_table,
+                                                        d.seq_lens, d.max_seq_len, scale)
+        for p in meta.prefills:
+            sl = slice(p.q_start, p.q_start + p.q_len)
+            out[sl] = prefill_reference(q[sl], k[sl], v[sl], kv_cache, p, scale)
+        return out
+
+
+def write_kv(kv_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slots: torch.Tensor) -> None:
+    _, nb, bs, hk, d = kv_cache.shape
+    kv_cache[0].view(nb * bs, hk, d).index_copy_(0, slots, k.to(kv_cache.dtype))
+    kv_cache[1].view(nb * bs, hk, d).index_copy_(0, slots, v.to(kv_cache.dtype))
+
+
+def paged_decode_reference(q: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.Tensor,
+                           seq_lens: torch.Tensor, max_seq_len: int, scale: float) -> torch.Tensor:
+    """One query token per sequence over its paged context. q: [B, Hq, D]."""
+    bsz, hq, d = q.shape
+    bs, hk = kv_cache.shape[2], kv_cache.shape[3]
+    nblk = (max_seq_len + bs - 1) // bs
+    table = block_table[:, :nblk]
+    # [B, nblk, bs, Hk, D] -> [B, Hk, L, D]
+    keys = kv_cache[0][table].reshape(bsz, nblk * bs, hk, d)[:, :max_seq_len].transpose(1, 2)
+    vals = kv_cache[1][table].reshape(bsz, nblk * bs, hk, d)[:, :max_seq_len].transpose(1, 2)
+    mask = torch.arange(max_seq_len, device=q.device)[None, :] < seq_lens[:, None]
+    out = F.scaled_dot_product_attention(
+        q.unsqueeze(2), keys.to(q.dtype), vals.to(q.dtype), attn_mask=mask[:, None, None, :],
+        scale=scale, enable_gqa=hq != hk)
+    return out.squeeze(2)
+
+
+def prefill_reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor,
+                      p: PrefillSeq, scale: float) -> torch.Tensor:
+    """Causal attention of a chunk of queries over the cached prefix plus itself."""
+    hq, hk = q.shape[1], k.shape[1]
+    start = p.seq_len - p.q_len
+    if start == 0:
+        # Nothing cached before this chunk: attend to the fresh K/V directly.
+        keys, vals = k, v
+    else:
+        bs, d = kv_cache.shape[2], kv_cache.shape[4]
+        keys = kv_cache[0][p.block_ids].reshape(-1, hk, d)[: p.seq_len].to(q.dtype)
+        vals = kv_cache[1][p.block_ids].reshape(-1, hk, d)[: p.seq_len].to(q.dtype)
+    qh, kh, vh = q.transpose(0, 1), keys.transpose(0, 1), vals.transpose(0, 1)
+    if start == 0:
+        out = F.scaled_dot_product_attention(qh, kh, vh, is_causal=True, scale=scale, enable_gqa=hq != hk)
+    else:
+        qpos = torch.arange(start, p.seq_len, device=q.device)
+        mask = torch.arange(p.seq_len, device=q.device)[None, :] <= qpos[:, None]
+        out = F.scaled_dot_product_attention(qh, kh, vh, attn_mask=mask, scale=scale, enable_gqa=hq != hk)
+    return out.transpose(0, 1)

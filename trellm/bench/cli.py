@@ -1,0 +1,70 @@
+"""`trellm bench ...` subcommands."""
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import sys
+import time
+from pathlib import Path
+
+
+def add_bench_parser(sub) -> None:
+    b = sub.add_parser("bench", help="measure speed")
+    bsub = b.add_subparsers(dest="bench_command", required=True)
+    lat = bsub.add_parser("latency", help="in-process TTFT, decode, prefill and aggregate tok/s")
+    from trellm.entrypoints.cli import add_engine_args
+
+    add_engine_args(lat)
+    lat.add_argument("--prompt-len", type=int, default=128)
+    lat.add_argument("--gen-len", type=int, default=128)
+    lat.add_argument("--prefill-len", type=int, default=512)
+    lat.add_argument("--concurrency", type=int, default=8)
+    lat.add_argument("--repeats", type=int, default=2)
+    lat.add_argument("--threads", type=int, default=None, help="torch CPU threads")
+    lat.add_argument("--compare-transformers", action="store_true",
+                     help="also run transformers on the same weights in this process")
+    lat.add_argument("--out", default=None, help="write JSON results here")
+    lat.set_defaults(func=run_latency)
+
+
+def run_latency(args: argparse.Namespace) -> int:
+    import torch
+
+    from trellm.bench.latency import BenchSpec, as_dict, bench_transformers, bench_trellm, figures_table
+    from trellm.entrypoints.cli import engine_kwargs
+    from trellm.entrypoints.llm import LLM
+
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    spec = BenchSpec(args.prompt_len, args.gen_len, args.prefill_len, args.concurrency, args.repeats)
+    llm = LLM(args.model, **engine_kwargs(args))
+    rows = [bench_trellm(llm, spec)]
+    dtype, device = llm.engine.worker.dtype, llm.engine.worker.device
+    vocab = llm.engine.vocab_size
+    del llm
+    if args.compare_transformers:
+        from trellm.bench.hf_peer import load_transformers_peer
+        import transformers
+
+        peer = load_transformers_peer(args.model, dtype, str(device), args.seed)
+        rows.append(bench_transformers(peer, vocab, spec))
+        peer_version = transformers.__version__
+    table = figures_table(rows)
+    print(table)
+    if args.out:
+        result = {
+            "command": "trellm " + " ".join(sys.argv[1:]),
+            "date": time.strftime("%Y-%m-%dT%H:%M:%S"),
+            "machine": {"platform": platform.platform(), "processor": platform.processor(),
+                        "threads": torch.get_num_threads(), "torch": torch.__version__},
+            "model": args.model or "embedded default (SmolLM2-135M-Instruct Q4_1 GGUF, dequantized)",
+            "dtype": str(dtype).removeprefix("torch."), "device": str(device),
+            "spec": spec.__dict__,
+            "results": [as_dict(r) for r in rows],
+            "transformers_version": peer_version if args.compare_transformers else None,
+        }
+        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.out).write_text(json.dumps(result, indent=2) + "\n")
+        print(f"wrote {args.out}")
+    return 0

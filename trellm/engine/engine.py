@@ -1,0 +1,125 @@
+"""The engine: ``step()`` is schedule -> execute -> update; everything else is a helper."""
+from __future__ import annotations
+
+import logging
+from typing import Sequence
+
+from trellm.config import EngineConfig
+from trellm.engine.kv_manager import KVCacheManager
+from trellm.engine.output_processor import OutputProcessor
+from trellm.engine.request import Request, RequestStatus
+from trellm.engine.scheduler import Scheduler
+from trellm.engine.types import EngineCoreOutput, RequestOutput, StepPlan, StepResult
+from trellm.sampling_params import SamplingParams
+
+log = logging.getLogger("trellm")
+
+
+class Engine:
+    def __init__(self, config: EngineConfig):
+        from trellm.worker.builder import build_worker  # torch stays out of engine/ imports
+
+        config.validate()
+        self.config = config
+        self.worker = build_worker(config)
+        self.tokenizer = self.worker.checkpoint.tokenizer
+        self.max_model_len = self.worker.max_model_len
+        self.vocab_size = self.worker.arch.vocab_size
+        self.eos_token_ids = frozenset(self.worker.arch.eos_token_ids) | (
+            self.tokenizer.eos_token_ids if self.tokenizer else frozenset())
+        salt = f"{config.model.model}|{self.worker.dtype}".encode()
+        self.kv = KVCacheManager(self.worker.num_blocks, self.worker.block_size,
+                                 config.cache.enable_prefix_caching, hash_salt=salt)
+        self.scheduler = Scheduler(config.scheduler, self.kv, self.worker.block_size, self.max_model_len)
+        self.output_processor = OutputProcessor(self.tokenizer or _NoText())
+        self._aborted: list[EngineCoreOutput] = []
+        self._children: dict[str, list[str]] = {}
+
+    # ---- the loop ------------------------------------------------------------------
+
+    def step(self) -> list[RequestOutput]:
+        plan = self.scheduler.schedule()
+        result = self.worker.runner.execute(plan)
+        return self._update(plan, result)
+
+    def _update(self, plan: StepPlan, result: StepResult) -> list[RequestOutput]:
+        core_outputs = self._aborted + self.scheduler.update(plan, result)
+        self._aborted = []
+        outputs, to_stop = self.output_processor.process(core_outputs)
+        if to_stop:
+            self.scheduler.finish_requests(to_stop, RequestStatus.FINISHED_STOPPED)
+        for out in outputs:
+            if out.finished:
+                self._children.pop(out.request_id, None)
+        return outputs
+
+    def has_unfinished_requests(self) -> bool:
+        return self.scheduler.has_unfinished_requests() or bool(self._aborted)
+
+    # ---- requests ------------------------------------------------------------------
+
+    def add_request(self, request_id: str, prompt: str | None, params: SamplingParams,
+                    prompt_token_ids: Sequence[int] | None = None) -> None:
+        """Validate and queue a request; raises ValueError with a user-facing message."""
+        if request_id in self._children or self.output_processor.has_request(request_id):
+            raise ValueError(f"request id {request_id!r} is already in use")
+        ids = self._prompt_ids(prompt, prompt_token_ids)
+        params.validate_vocab(self.vocab_size)
+        if params.max_tokens is not None and len(ids) + params.max_tokens > self.max_model_len:
+            # Like vLLM: ask for a shorter output rather than silently truncating.
+            raise ValueError(f"prompt ({len(ids)} tokens) + max_tokens ({params.max_tokens}) exceeds the "
+                             f"context length {self.max_model_len}")
+        n = params.n
+        child_ids = [request_id] if n == 1 else [f"{request_id}#{i}" for i in range(n)]
+        self.output_processor.add_request(request_id, prompt, list(ids), params,
+                                          child_ids=child_ids if n > 1 else None)
+        self._children[request_id] = child_ids
+        for i, cid in enumerate(child_ids):
+            child_params = params if n == 1 else params.with_(
+                n=1, seed=None if params.seed is None else params.seed + i)
+            self.scheduler.add_request(Request(
+                request_id=cid, prompt_token_ids=list(ids), sampling_params=child_params,
+                eos_token_ids=self.eos_token_ids, max_model_len=self.max_model_len,
+                group_id=request_id if n > 1 else None))
+
+    def _prompt_ids(self, prompt: str | None, prompt_token_ids: Sequence[int] | None) -> list[int]:
+        if prompt_token_ids is None:
+            if prompt is None:
+                raise ValueError("a prompt (text or token ids) is required")
+            if self.tokenizer is None:
+                raise ValueError("this model has no tokenizer: pass prompt_token_ids")
+            ids = self.tokenizer.encode(prompt)
+        else:
+            ids = list(prompt_token_ids)
+            for t in ids:
+                if isinstance(t, bool) or not isinstance(t, int) or not 0 <= t < self.vocab_size:
+                    raise ValueError(f"prompt token id {t!r} is outside the vocabulary (size {self.vocab_size})")
+        if not ids:
+            raise ValueError("the prompt is empty")
+        if len(ids) >= self.max_model_len:
+            raise ValueError(f"the prompt is {len(ids)} tokens, longer than the context length "
+                             f"{self.max_model_len} allows (it must leave room for one generated token)")
+        return ids
+
+    def abort_request(self, request_ids: str | Sequence[str]) -> None:
+        """Abort requests; their final RequestOutput (finish_reason 'abort') comes with the next step."""
+        if isinstance(request_ids, str):
+            request_ids = [request_ids]
+        for rid in request_ids:
+            children = self._children.get(rid)
+            if not children:
+                continue
+            live = [c for c in children if self.scheduler.has_request(c)]
+            self.scheduler.finish_requests(live, RequestStatus.FINISHED_ABORTED)
+            self._aborted.extend(EngineCoreOutput(request_id=c, new_token_ids=(), finish_reason="abort")
+                                 for c in live)
+
+    def check_invariants(self) -> None:
+        self.kv.check_invariants()
+
+
+class _NoText:
+    """Detokenizer for a model without a tokenizer (random-weight benchmarks): token ids only."""
+
+    def decode(self, ids, skip_special_tokens: bool = True) -> str:
+        return ""

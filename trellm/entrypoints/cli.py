@@ -1,0 +1,108 @@
+"""The ``trellm`` command: generate, chat, bench (serve lands with the server issue).
+
+Every user error ends as one line on stderr ("trellm: error: ...") and exit code 1,
+never a traceback.
+"""
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+
+from trellm.loader.errors import ModelLoadError
+
+
+def add_engine_args(p: argparse.ArgumentParser) -> None:
+    """Engine flags, named as vLLM names them so users can switch."""
+    p.add_argument("model", nargs="?", default="",
+                   help="GGUF file, Hugging Face directory or dummy:<config.json> (default: embedded SmolLM2-135M)")
+    p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
+    p.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"])
+    p.add_argument("--max-model-len", type=int, default=None)
+    p.add_argument("--max-num-seqs", type=int, default=64)
+    p.add_argument("--max-num-batched-tokens", type=int, default=2048)
+    p.add_argument("--long-prefill-token-threshold", type=int, default=0)
+    p.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True)
+    p.add_argument("--block-size", type=int, default=16)
+    p.add_argument("--kv-cache-memory", type=int, default=None, help="bytes for the KV cache")
+    p.add_argument("--gpu-memory-utilization", type=float, default=0.9)
+    p.add_argument("--seed", type=int, default=0, help="seed for dummy weights")
+    p.add_argument("--load-workers", type=int, default=4)
+
+
+def engine_kwargs(a: argparse.Namespace) -> dict:
+    return dict(dtype=a.dtype, device=a.device, max_model_len=a.max_model_len,
+                max_num_seqs=a.max_num_seqs, max_num_batched_tokens=a.max_num_batched_tokens,
+                long_prefill_token_threshold=a.long_prefill_token_threshold,
+                enable_prefix_caching=a.enable_prefix_caching, block_size=a.block_size,
+                kv_cache_memory=a.kv_cache_memory, gpu_memory_utilization=a.gpu_memory_utilization,
+                seed=a.seed, load_workers=a.load_workers)
+
+
+def add_sampling_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--max-tokens", type=int, default=128)
+    p.add_argument("--temperature", type=float, default=0.0)
+    p.add_argument("--top-p", type=float, default=1.0)
+    p.add_argument("--top-k", type=int, default=0)
+    p.add_argument("--min-p", type=float, default=0.0)
+    p.add_argument("--sampling-seed", type=int, default=None)
+    p.add_argument("--repetition-penalty", type=float, default=1.0)
+    p.add_argument("--stop", action="append", default=[])
+
+
+def sampling_params(a: argparse.Namespace):
+    from trellm.sampling_params import SamplingParams
+
+    return SamplingParams(max_tokens=a.max_tokens, temperature=a.temperature, top_p=a.top_p,
+                          top_k=a.top_k, min_p=a.min_p, seed=a.sampling_seed,
+                          repetition_penalty=a.repetition_penalty, stop=tuple(a.stop))
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="trellm", description="LLM inference engine")
+    sub = parser.add_subparsers(dest="command", required=True)
+    g = sub.add_parser("generate", help="complete one prompt, streaming to the terminal")
+    g.add_argument("prompt")
+    g.add_argument("--model", dest="model_flag", default=None)
+    g.add_argument("--chat", action="store_true", help="wrap the prompt in the chat template")
+    add_engine_args(g)
+    add_sampling_args(g)
+    c = sub.add_parser("chat", help="interactive chat in the terminal")
+    c.add_argument("--model", dest="model_flag", default=None)
+    c.add_argument("--system", default=None, help="system prompt")
+    add_engine_args(c)
+    add_sampling_args(c)
+    from trellm.bench.cli import add_bench_parser
+
+    add_bench_parser(sub)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(levelname)s %(message)s", stream=sys.stderr)
+    if getattr(args, "model_flag", None):
+        args.model = args.model_flag
+    try:
+        return args.func(args) if hasattr(args, "func") else _dispatch(args)
+    except (ModelLoadError, ValueError) as e:
+        print(f"trellm: error: {e}", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        print(file=sys.stderr)
+        return 130
+
+
+def _dispatch(args: argparse.Namespace) -> int:
+    from trellm.entrypoints import interactive
+
+    if args.command == "generate":
+        return interactive.run_generate(args)
+    if args.command == "chat":
+        return interactive.run_chat(args)
+    raise ValueError(f"unknown command {args.command}")
+
+
+if __name__ == "__main__":
+    sys.exit(main())

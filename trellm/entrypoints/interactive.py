@@ -1,0 +1,65 @@
+"""`trellm generate` and `trellm chat`: stream tokens to the terminal."""
+from __future__ import annotations
+
+import argparse
+import sys
+
+from trellm.entrypoints.cli import engine_kwargs, sampling_params
+from trellm.entrypoints.llm import LLM
+
+
+def _stream(llm: LLM, prompt_ids: list[int], params) -> str:
+    """Run one request, printing text as it grows; returns the final text."""
+    engine = llm.engine
+    rid = f"cli-{next(llm._ids)}"
+    engine.add_request(rid, None, params, prompt_token_ids=prompt_ids)
+    shown = 0
+    text = ""
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            if out.request_id != rid:
+                continue
+            text = out.outputs[0].text
+            sys.stdout.write(text[shown:])
+            sys.stdout.flush()
+            shown = len(text)
+    sys.stdout.write("\n")
+    return text
+
+
+def run_generate(args: argparse.Namespace) -> int:
+    llm = LLM(args.model, **engine_kwargs(args))
+    params = sampling_params(args)
+    tok = llm.get_tokenizer()
+    if args.chat:
+        ids = tok.encode(tok.apply_chat_template([{"role": "user", "content": args.prompt}]),
+                         add_special_tokens=False)
+    else:
+        ids = tok.encode(args.prompt)
+    _stream(llm, ids, params)
+    return 0
+
+
+def run_chat(args: argparse.Namespace) -> int:
+    llm = LLM(args.model, **engine_kwargs(args))
+    params = sampling_params(args)
+    tok = llm.get_tokenizer()
+    messages: list[dict] = [{"role": "system", "content": args.system}] if args.system else []
+    print("trellm chat — empty line or Ctrl-D to quit", file=sys.stderr)
+    while True:
+        try:
+            line = input("> ")
+        except EOFError:
+            break
+        if not line.strip():
+            break
+        messages.append({"role": "user", "content": line})
+        ids = tok.encode(tok.apply_chat_template(messages), add_special_tokens=False)
+        try:
+            reply = _stream(llm, ids, params)
+        except ValueError as e:  # e.g. the conversation outgrew the context
+            print(f"trellm: error: {e}", file=sys.stderr)
+            messages.pop()
+            continue
+        messages.append({"role": "assistant", "content": reply})
+    return 0

@@ -1,0 +1,29 @@
+"""The one place trellm reads environment variables.
+
+Everything else asks these functions, so the full list of knobs is visible here
+and tests can monkeypatch the environment without hunting for readers.
+"""
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+DEFAULT_CACHE_DIR = "~/.cache/trellm"
+DEFAULT_LOG_LEVEL = "INFO"
+
+
+def cache_dir() -> Path:
+    """Where downloaded artifacts (the default model) live: ``TRELLM_CACHE_DIR``."""
+    return Path(os.environ.get("TRELLM_CACHE_DIR") or DEFAULT_CACHE_DIR).expanduser()
+
+
+def api_key() -> str | None:
+    """Bearer token the server requires (``TRELLM_API_KEY``); None = no auth."""
+    # An empty value means "unset": exporting TRELLM_API_KEY= must not lock
+    # everyone out with an empty-string key.
+    return os.environ.get("TRELLM_API_KEY") or None
+
+
+def log_level() -> str:
+    """Logging level name (``TRELLM_LOG_LEVEL``), upper-cased, default INFO."""
+    return (os.environ.get("TRELLM_LOG_LEVEL") or DEFAULT_LOG_LEVEL).strip().upper()

@@ -1,0 +1,86 @@
+"""RMSNorm and rotary embeddings (Llama layout, llama3 frequency scaling).
+
+Both follow transformers' arithmetic (norm in float32, cast back before the
+weight; rotate-half RoPE) so logits match the reference closely.
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+
+
+class RMSNorm(torch.nn.Module):
+    def __init__(self, hidden_size: int, eps: float, dtype: torch.dtype):
+        super().__init__()
+        self.weight = torch.nn.Parameter(torch.ones(hidden_size, dtype=dtype), requires_grad=False)
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        dtype = x.dtype
+        xf = x.float()
+        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * xf.to(dtype)
+
+    def weight_loader(self, param_name: str, tensor: torch.Tensor, shard: int | None = None) -> None:
+        if tuple(tensor.shape) != tuple(self.weight.shape):
+            raise ValueError(f"shape mismatch for norm weight: {tuple(tensor.shape)} vs {tuple(self.weight.shape)}")
+        self.weight.data.copy_(tensor.to(self.weight.dtype))
+
+
+def rope_inv_freq(head_dim: int, theta: float, scaling: dict | None) -> torch.Tensor:
+    """Inverse frequencies, with llama3-style scaling when the config asks for it."""
+    inv = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim))
+    kind = (scaling or {}).get("rope_type", (scaling or {}).get("type"))
+    if kind in (None, "default"):
+        return inv
+    if kind == "linear":
+        return inv / float(scaling["factor"])
+    if kind == "llama3":
+        return _llama3_inv_freq(inv, scaling)
+    raise ValueError(f"unsupported rope_scaling type {kind!r}")
+
+
+def _llama3_inv_freq(inv: torch.Tensor, s: dict) -> torch.Tensor:
+    # Long wavelengths are divided by `factor`, short ones kept, the band between
+    # smoothly interpolated (Meta's Llama 3.1 recipe, as in transformers).
+    factor, low, high = float(s["factor"]), float(s["low_freq_factor"]), float(s["high_freq_factor"])
+    old_len = float(s["original_max_position_embeddings"])
+    low_wavelen, high_wavelen = old_len / low, old_len / high
+    wavelen = 2 * math.pi / inv
+    scaled = torch.where(wavelen > low_wavelen, inv / factor, inv)
+    smooth = (old_len / wavelen - low) / (high - low)
+    smoothed = (1 - smooth) * scaled / factor + smooth * scaled
+    is_medium = ~(wavelen < high_wavelen) & ~(wavelen > low_wavelen)
+    return torch.where(is_medium, smoothed, scaled)
+
+
+class RotaryEmbedding(torch.nn.Module):
+    """Applies rotate-half RoPE to q and k at given absolute positions."""
+
+    def __init__(self, head_dim: int, theta: float, scaling: dict | None, max_positions: int):
+        super().__init__()
+        self.head_dim = head_dim
+        self.register_buffer("inv_freq", rope_inv_freq(head_dim, theta, scaling), persistent=False)
+        self.max_positions = max_positions
+        self._cache: tuple[torch.Tensor, torch.Tensor] | None = None
+
+    def _cos_sin(self, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+        if self._cache is None or self._cache[0].device != device:
+            t = torch.arange(self.max_positions, dtype=torch.float32, device=device)
+            freqs = torch.outer(t, self.inv_freq.to(device))
+            emb = torch.cat((freqs, freqs), dim=-1)
+            self._cache = (emb.cos(), emb.sin())
+        return self._cache
+
+    def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor):
+        """q: [T, Hq, D], k: [T, Hk, D]; returns rotated (q, k) in their dtype."""
+        cos_all, sin_all = self._cos_sin(q.device)
+        cos = cos_all[positions].unsqueeze(1).to(q.dtype)
+        sin = sin_all[positions].unsqueeze(1).to(q.dtype)
+        return q * cos + _rotate_half(q) * sin, k * cos + _rotate_half(k) * sin
+
+
+def _rotate_half(x: torch.Tensor) -> torch.Tensor:
+    half = x.shape[-1] // 2
+    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)

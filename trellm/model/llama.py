@@ -1,0 +1,193 @@
+"""The Llama family in one file: Llama 2/3 (llama3 RoPE scaling), Mistral,
+Qwen2 (qkv bias), Qwen3 (per-head q/k RMSNorm), SmolLM; tied or untied embeddings.
+
+Checkpoint q/k/v and gate/up projections are stacked into one weight each at load
+time (``STACKED``), so a layer runs four matmuls.
+"""
+from __future__ import annotations
+
+from typing import Iterable, Iterator
+
+import torch
+import torch.nn.functional as F
+
+from trellm.layers.linear import Linear, MergedLinear
+from trellm.layers.norm_rope import RMSNorm, RotaryEmbedding
+from trellm.model.config import ArchConfig
+from trellm.quant.base import get_linear_method
+
+ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM")
+
+# checkpoint name fragment -> (fused module name, shard index)
+STACKED = {
+    "q_proj": ("qkv_proj", 0), "k_proj": ("qkv_proj", 1), "v_proj": ("qkv_proj", 2),
+    "gate_proj": ("gate_up_proj", 0), "up_proj": ("gate_up_proj", 1),
+}
+
+
+class Attention(torch.nn.Module):
+    def __init__(self, cfg: ArchConfig, layer_idx: int, rope: RotaryEmbedding, dtype: torch.dtype):
+        super().__init__()
+        self.layer_idx = layer_idx
+        self.num_heads, self.num_kv_heads, self.head_dim = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+        self.scale = self.head_dim ** -0.5
+        q, kv = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
+        method = get_linear_method(cfg.quantization_config)
+        self.qkv_proj = MergedLinear(cfg.hidden_size, [q, kv, kv], cfg.attention_bias, method, dtype)
+        self.o_proj = Linear(q, cfg.hidden_size, False, get_linear_method(cfg.quantization_config), dtype)
+        self.q_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps, dtype) if cfg.qk_norm else None
+        self.k_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps, dtype) if cfg.qk_norm else None
+        self.rope = rope
+
+    def forward(self, x: torch.Tensor, positions: torch.Tensor, ctx) -> torch.Tensor:
+        t = x.shape[0]
+        q, k, v = self.qkv_proj.split(self.qkv_proj(x))
+        q = q.view(t, self.num_heads, self.head_dim)
+        k = k.view(t, self.num_kv_heads, self.head_dim)
+        v = v.view(t, self.num_kv_heads, self.head_dim)
+        if self.q_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = self.rope(positions, q, k)
+        out = ctx.backend.forward(q, k, v, ctx.kv_caches[self.layer_idx], ctx.meta, self.scale)
+        return self.o_proj(out.reshape(t, -1))
+
+
+class MLP(torch.nn.Module):
+    def __init__(self, cfg: ArchConfig, dtype: torch.dtype):
+        super().__init__()
+        i = cfg.intermediate_size
+        self.gate_up_proj = MergedLinear(cfg.hidden_size, [i, i], False, get_linear_method(cfg.quantization_config), dtype)
+        self.down_proj = Linear(i, cfg.hidden_size, False, get_linear_method(cfg.quantization_config), dtype)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up = self.gate_up_proj.split(self.gate_up_proj(x))
+        return self.down_proj(F.silu(gate) * up)
+
+
+class DecoderLayer(torch.nn.Module):
+    def __init__(self, cfg: ArchConfig, idx: int, rope: RotaryEmbedding, dtype: torch.dtype):
+        super().__init__()
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
+        self.self_attn = Attention(cfg, idx, rope, dtype)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
+        self.mlp = MLP(cfg, dtype)
+
+    def forward(self, x: torch.Tensor, positions: torch.Tensor, ctx) -> torch.Tensor:
+        x = x + self.self_attn(self.input_layernorm(x), positions, ctx)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class LlamaForCausalLM(torch.nn.Module):
+    def __init__(self, cfg: ArchConfig, dtype: torch.dtype, max_positions: int):
+        super().__init__()
+        self.cfg = cfg
+        self.embed_tokens = torch.nn.Embedding(cfg.vocab_size, cfg.hidden_size, dtype=dtype)
+        self.embed_tokens.weight.requires_grad_(False)
+        rope = RotaryEmbedding(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling,
+                               max(max_positions, cfg.max_position_embeddings))
+        self.layers = torch.nn.ModuleList(DecoderLayer(cfg, i, rope, dtype) for i in range(cfg.num_layers))
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
+        self.lm_head = None
+        if not cfg.tie_word_embeddings:
+            self.lm_head = torch.nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False, dtype=dtype)
+            self.lm_head.weight.requires_grad_(False)
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, ctx) -> torch.Tensor:
+        """input_ids, positions: [T]; returns final hidden states [T, hidden]."""
+        x = self.embed_tokens(input_ids)
+        for layer in self.layers:
+            x = layer(x, positions, ctx)
+        return self.norm(x)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        weight = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
+        return F.linear(hidden, weight).float()
+
+    # ---- loading -------------------------------------------------------------------
+
+    def load_weights(self, tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
+        """Copy checkpoint tensors (HF names) into the model; every parameter must be set."""
+        targets = self._load_targets()
+        loaded: set[str] = set()
+        for name, tensor in tensors:
+            if name.endswith("rotary_emb.inv_freq"):
+                continue
+            if name == "lm_head.weight" and self.cfg.tie_word_embeddings:
+                continue
+            key, shard = _map_name(name)
+            if key not in targets:
+                raise ValueError(f"checkpoint tensor {name!r} has no place in {self.cfg.architecture}")
+            module, pname = targets[key]
+            if hasattr(module, "weight_loader"):
+                module.weight_loader(pname, tensor, shard)
+            else:
+                getattr(module, pname).data.copy_(tensor.to(getattr(module, pname).dtype))
+            loaded.add(f"{key}#{shard}")
+        self._check_all_loaded(loaded)
+        for m in self.modules():
+            if hasattr(m, "method"):
+                m.method.process_after_loading(m)
+
+    def _load_targets(self) -> dict[str, tuple[torch.nn.Module, str]]:
+        out: dict[str, tuple[torch.nn.Module, str]] = {}
+        for mname, module in self.named_modules():
+            for pname, p in module.named_parameters(recurse=False):
+                if p is None:
+                    continue
+                out[f"model.{mname}.{pname}" if mname != "lm_head" else f"lm_head.{pname}"] = (module, pname)
+        return out
+
+    def _check_all_loaded(self, loaded: set[str]) -> None:
+        expected: set[str] = set()
+        for key, (module, _) in self._load_targets().items():
+            if isinstance(module, MergedLinear):
+                expected |= {f"{key}#{s}" for s in range(len(module.out_sizes))}
+            else:
+                expected.add(f"{key}#None")
+        missing = sorted(expected - loaded)
+        if missing:
+            raise ValueError(f"checkpoint is missing {len(missing)} tensors, e.g. {missing[0].split('#')[0]}")
+
+
+def _map_name(name: str) -> tuple[str, int | None]:
+    """HF checkpoint name -> (our parameter key, shard)."""
+    for frag, (fused, shard) in STACKED.items():
+        if f".{frag}." in name:
+            return name.replace(f".{frag}.", f".{fused}."), shard
+    return name, None
+
+
+def dummy_weights(cfg: ArchConfig, seed: int, device: str | torch.device = "cpu"
+                  ) -> Iterator[tuple[str, torch.Tensor]]:
+    """Seeded random weights in HF names, scaled so activations stay O(1) and the
+    logits are peaked (random weights with tiny logits would make every greedy
+    comparison a near-tie). Yielded in float32 on ``device``, one tensor at a time."""
+    g = torch.Generator(device=device).manual_seed(seed)
+    randn = lambda *shape: torch.randn(*shape, generator=g, device=device)  # noqa: E731
+    h, i, hd = cfg.hidden_size, cfg.intermediate_size, cfg.head_dim
+    q, kv = cfg.num_heads * hd, cfg.num_kv_heads * hd
+
+    def lin(out_f: int, in_f: int) -> torch.Tensor:
+        return randn(out_f, in_f) / in_f ** 0.5
+
+    def norm(n: int) -> torch.Tensor:
+        return 1.0 + 0.1 * randn(n)
+
+    yield "model.embed_tokens.weight", randn(cfg.vocab_size, h)
+    for li in range(cfg.num_layers):
+        p = f"model.layers.{li}."
+        yield p + "input_layernorm.weight", norm(h)
+        yield p + "post_attention_layernorm.weight", norm(h)
+        for name, shape in (("q_proj", (q, h)), ("k_proj", (kv, h)), ("v_proj", (kv, h)), ("o_proj", (h, q))):
+            yield p + f"self_attn.{name}.weight", lin(*shape)
+            if cfg.attention_bias and name != "o_proj":
+                yield p + f"self_attn.{name}.bias", 0.1 * randn(shape[0])
+        if cfg.qk_norm:
+            yield p + "self_attn.q_norm.weight", norm(hd)
+            yield p + "self_attn.k_norm.weight", norm(hd)
+        yield p + "mlp.gate_proj.weight", lin(i, h)
+        yield p + "mlp.up_proj.weight", lin(i, h)
+        yield p + "mlp.down_proj.weight", lin(h, i)
+    yield "model.norm.weight", norm(h)
+    if not cfg.tie_word_embeddings:
+        yield "lm_head.weight", lin(cfg.vocab_size, h)

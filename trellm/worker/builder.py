@@ -1,0 +1,124 @@
+"""Load a model, size the KV pool from the memory budget, build the runner."""
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass
+
+import torch
+
+from trellm.attention.registry import get_attention_backend
+from trellm.config import EngineConfig
+from trellm.loader.checkpoint import Checkpoint, open_checkpoint
+from trellm.loader.errors import ModelLoadError
+from trellm.model.config import ArchConfig
+from trellm.model.registry import get_model_class
+from trellm.worker.model_runner import ModelRunner
+
+log = logging.getLogger("trellm")
+
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+@dataclass(frozen=True)
+class WorkerInfo:
+    """What the engine needs to know about the loaded model and its cache."""
+
+    runner: ModelRunner
+    checkpoint: Checkpoint
+    arch: ArchConfig
+    max_model_len: int
+    num_blocks: int
+    block_size: int
+    device: torch.device
+    dtype: torch.dtype
+    load_seconds: float
+
+    @property
+    def kv_capacity_tokens(self) -> int:
+        return self.num_blocks * self.block_size
+
+
+def resolve_device(name: str) -> torch.device:
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if name == "cuda" and not torch.cuda.is_available():
+        raise ModelLoadError("--device cuda was asked for but no CUDA GPU is available")
+    return torch.device(name)
+
+
+def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
+    if name == "auto":
+        return torch.bfloat16 if device.type == "cuda" else torch.float32
+    return _DTYPES[name]
+
+
+def build_worker(config: EngineConfig) -> WorkerInfo:
+    t0 = time.perf_counter()
+    mc, cc = config.model, config.cache
+    device = resolve_device(mc.device)
+    dtype = resolve_dtype(mc.dtype, device)
+    ckpt = open_checkpoint(mc.model, load_workers=mc.load_workers)
+    try:
+        arch = ArchConfig.from_hf(ckpt.hf_config)
+    except ValueError as e:
+        raise ModelLoadError(f"invalid model config: {e}") from None
+    max_len = mc.max_model_len or arch.max_position_embeddings
+    model = _load_model(ckpt, arch, dtype, device, max_len, mc.seed)
+    backend = get_attention_backend(device, dtype)
+    num_blocks = _num_blocks(config, arch, dtype, device)
+    shape = (2, num_blocks, cc.block_size, arch.num_kv_heads, arch.head_dim)
+    kv_caches = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(arch.num_layers)]
+    eos = frozenset(arch.eos_token_ids) | (ckpt.tokenizer.eos_token_ids if ckpt.tokenizer else frozenset())
+    runner = ModelRunner(model, backend, kv_caches, cc.block_size, eos, device)
+    # A request must fit in the pool on its own, or it could never be scheduled.
+    max_len = min(max_len, num_blocks * cc.block_size)
+    info = WorkerInfo(runner, ckpt, arch, max_len, num_blocks, cc.block_size, device, dtype,
+                      time.perf_counter() - t0)
+    log.info("loaded %s (%s, %s, %s) in %.1fs; KV cache: %d blocks = %d tokens; context %d",
+             ckpt.source, arch.architecture, device.type, str(dtype).removeprefix("torch."),
+             info.load_seconds, num_blocks, info.kv_capacity_tokens, max_len)
+    return info
+
+
+def _load_model(ckpt: Checkpoint, arch: ArchConfig, dtype, device, max_len: int, seed: int):
+    cls = get_model_class(arch.architecture)
+    with torch.device(device):
+        model = cls(arch, dtype, max_len)
+    try:
+        if ckpt.dummy:
+            from trellm.model.llama import dummy_weights
+            model.load_weights(dummy_weights(arch, seed, device))
+        else:
+            model.load_weights(ckpt.tensors())
+    except ValueError as e:
+        raise ModelLoadError(f"cannot load weights from {ckpt.source}: {e}") from None
+    return model.eval()
+
+
+def _bytes_per_block(config: EngineConfig, arch: ArchConfig, dtype: torch.dtype) -> int:
+    elem = torch.tensor([], dtype=dtype).element_size()
+    return 2 * arch.num_layers * config.cache.block_size * arch.num_kv_heads * arch.head_dim * elem
+
+
+def _num_blocks(config: EngineConfig, arch: ArchConfig, dtype, device) -> int:
+    cc = config.cache
+    if cc.num_gpu_blocks_override is not None:
+        return cc.num_gpu_blocks_override
+    per_block = _bytes_per_block(config, arch, dtype)
+    if cc.kv_cache_memory is not None:
+        budget = cc.kv_cache_memory
+    elif device.type == "cuda":
+        free, total = torch.cuda.mem_get_info(device)
+        used = total - free
+        # Leave room for activations of a full step (a rough bound: the LM head's
+        # float32 logits plus a few hidden-sized buffers per batched token).
+        act = config.scheduler.max_num_batched_tokens * (arch.vocab_size * 4 + arch.intermediate_size * 12)
+        budget = int(total * cc.gpu_memory_utilization) - used - act
+    else:
+        budget = cc.cpu_kv_cache_default
+    blocks = budget // per_block
+    if blocks < 1:
+        raise ModelLoadError(f"no memory left for the KV cache (budget {budget / 2**20:.0f} MiB, "
+                             f"{per_block / 2**20:.2f} MiB per block); lower the context or raise the budget")
+    return int(blocks)

@@ -1,0 +1,132 @@
+"""The runner's persistent copy of each request and the flat batch built per step."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from trellm.attention.torch_paged import AttentionMetadata, DecodeGroup, PrefillSeq
+from trellm.engine.types import StepPlan
+from trellm.sampling_params import SamplingParams
+
+
+@dataclass
+class CachedRequestState:
+    request_id: str
+    prompt_token_ids: list[int]
+    output_token_ids: list[int]
+    params: SamplingParams
+    block_ids: list[int]
+    num_computed_tokens: int
+    generator: torch.Generator | None
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.prompt_token_ids) + len(self.output_token_ids)
+
+    def token_slice(self, start: int, end: int) -> list[int]:
+        p = len(self.prompt_token_ids)
+        if end <= p:
+            return self.prompt_token_ids[start:end]
+        if start >= p:
+            return self.output_token_ids[start - p:end - p]
+        return self.prompt_token_ids[start:] + self.output_token_ids[:end - p]
+
+
+@dataclass
+class PromptLogprobSpan:
+    state: CachedRequestState
+    rows: range
+    """Rows of the selected-logits tensor for this request's prompt positions."""
+    target_ids: list[int]
+    first_chunk: bool
+
+
+@dataclass
+class BatchInputs:
+    input_ids: torch.Tensor
+    positions: torch.Tensor
+    meta: AttentionMetadata
+    logits_index: torch.Tensor
+    """Rows of the hidden states to run through the LM head."""
+    samplers: list[tuple[CachedRequestState, int]] = field(default_factory=list)
+    """(request, row in the selected logits) for requests that sample this step."""
+    prompt_spans: list[PromptLogprobSpan] = field(default_factory=list)
+
+
+def build_batch(plan: StepPlan, states: dict[str, CachedRequestState], block_size: int,
+                device: torch.device) -> BatchInputs:
+    """Flatten the plan: decode requests (one new token) first so they form one
+    contiguous group, then each prefill chunk."""
+    order = sorted(plan.num_scheduled_tokens.items(), key=lambda kv: kv[1] != 1)
+    ids: list[int] = []
+    pos: list[int] = []
+    slots: list[int] = []
+    dec_rows: list[int] = []
+    dec_tables: list[list[int]] = []
+    dec_lens: list[int] = []
+    prefills: list[tuple[int, int, int, list[int]]] = []
+    logit_rows: list[int] = []
+    samplers: list[tuple[CachedRequestState, int]] = []
+    spans: list[PromptLogprobSpan] = []
+    for rid, n in order:
+        st = states[rid]
+        start, end = st.num_computed_tokens, st.num_computed_tokens + n
+        q_start = len(ids)
+        ids.extend(st.token_slice(start, end))
+        pos.extend(range(start, end))
+        slots.extend(st.block_ids[p // block_size] * block_size + p % block_size for p in range(start, end))
+        if n == 1:
+            dec_rows.append(q_start)
+            dec_tables.append(st.block_ids)
+            dec_lens.append(end)
+        else:
+            prefills.append((q_start, n, end, st.block_ids[: (end + block_size - 1) // block_size]))
+        if st.params.prompt_logprobs is not None and start < len(st.prompt_token_ids):
+            _add_prompt_span(st, start, end, q_start, logit_rows, spans)
+        if end == st.num_tokens:
+            samplers.append((st, len(logit_rows)))
+            logit_rows.append(q_start + n - 1)
+    meta = _metadata(slots, dec_rows, dec_tables, dec_lens, prefills, block_size, device)
+    return BatchInputs(
+        input_ids=torch.tensor(ids, dtype=torch.long, device=device),
+        positions=torch.tensor(pos, dtype=torch.long, device=device),
+        meta=meta,
+        logits_index=torch.tensor(logit_rows, dtype=torch.long, device=device),
+        samplers=samplers,
+        prompt_spans=spans,
+    )
+
+
+def _add_prompt_span(st: CachedRequestState, start: int, end: int, q_start: int,
+                     logit_rows: list[int], spans: list[PromptLogprobSpan]) -> None:
+    # Position i predicts token i+1; only predictions of prompt tokens count.
+    last = min(end, len(st.prompt_token_ids) - 1)
+    rows_start = len(logit_rows)
+    logit_rows.extend(q_start + (i - start) for i in range(start, last))
+    spans.append(PromptLogprobSpan(
+        state=st, rows=range(rows_start, len(logit_rows)),
+        target_ids=st.prompt_token_ids[start + 1:last + 1], first_chunk=start == 0))
+
+
+def _metadata(slots, dec_rows, dec_tables, dec_lens, prefills, block_size, device) -> AttentionMetadata:
+    decode = None
+    if dec_rows:
+        width = max(len(t) for t in dec_tables)
+        table = torch.zeros(len(dec_tables), width, dtype=torch.long)
+        for i, t in enumerate(dec_tables):
+            table[i, : len(t)] = torch.tensor(t, dtype=torch.long)
+        decode = DecodeGroup(
+            token_index=torch.tensor(dec_rows, dtype=torch.long, device=device),
+            block_table=table.to(device),
+            seq_lens=torch.tensor(dec_lens, dtype=torch.long, device=device),
+            max_seq_len=max(dec_lens),
+        )
+    prefill_seqs = [
+        PrefillSeq(q_start=qs, q_len=n, seq_len=end,
+                   block_ids=torch.tensor(blocks, dtype=torch.long, device=device))
+        for qs, n, end, blocks in prefills
+    ]
+    return AttentionMetadata(
+        slot_mapping=torch.tensor(slots, dtype=torch.long, device=device),
+        decode=decode, prefills=prefill_seqs, block_size=block_size)

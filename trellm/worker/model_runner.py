@@ -1,0 +1,96 @@
+"""Executes a StepPlan on the model: keeps the runner-side request copies, builds
+the flat batch, runs the forward over the paged KV cache, samples."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from trellm.engine.types import StepPlan, StepResult, TokenLogprobs
+from trellm.worker.input_batch import BatchInputs, CachedRequestState, build_batch
+from trellm.worker.sampler import Sampler, SamplingRow, compute_prompt_logprobs, make_generator
+
+
+@dataclass
+class ForwardContext:
+    """What attention layers need during one forward."""
+
+    backend: object
+    kv_caches: list[torch.Tensor]
+    meta: object
+
+
+class ModelRunner:
+    def __init__(self, model: torch.nn.Module, attn_backend, kv_caches: list[torch.Tensor],
+                 block_size: int, eos_token_ids: frozenset[int], device: torch.device):
+        self.model = model
+        self.backend = attn_backend
+        self.kv_caches = kv_caches
+        self.block_size = block_size
+        self.eos_token_ids = eos_token_ids
+        self.device = device
+        self.sampler = Sampler()
+        self.states: dict[str, CachedRequestState] = {}
+
+    @torch.inference_mode()
+    def execute(self, plan: StepPlan) -> StepResult:
+        self._update_states(plan)
+        if plan.is_empty:
+            return StepResult()
+        batch = build_batch(plan, self.states, self.block_size, self.device)
+        ctx = ForwardContext(self.backend, self.kv_caches, batch.meta)
+        hidden = self.model(batch.input_ids, batch.positions, ctx)
+        logits = self.model.compute_logits(hidden[batch.logits_index]) if len(batch.logits_index) else None
+        for rid, n in plan.num_scheduled_tokens.items():
+            self.states[rid].num_computed_tokens += n
+        return self._sample(batch, logits)
+
+    def _update_states(self, plan: StepPlan) -> None:
+        for rid in plan.finished_request_ids:
+            self.states.pop(rid, None)
+        for new in plan.new_requests:
+            self.states[new.request_id] = CachedRequestState(
+                request_id=new.request_id,
+                prompt_token_ids=list(new.prompt_token_ids),
+                output_token_ids=list(new.output_token_ids),
+                params=new.sampling_params,
+                block_ids=list(new.block_ids),
+                num_computed_tokens=new.num_computed_tokens,
+                generator=make_generator(new.sampling_params.seed, self.device),
+            )
+        for cached in plan.cached_requests:
+            st = self.states[cached.request_id]
+            st.block_ids.extend(cached.new_block_ids)
+            st.num_computed_tokens = cached.num_computed_tokens
+
+    @staticmethod
+    def _reseed(st: CachedRequestState) -> None:
+        # Seed each draw from (seed, output position): a seeded request then gives
+        # the same tokens whatever its batch, and after preemption, with no replay.
+        if st.generator is not None:
+            st.generator.manual_seed((st.params.seed * 1_000_003 + len(st.output_token_ids)) % (2**63))
+
+    def _sample(self, batch: BatchInputs, logits: torch.Tensor | None) -> StepResult:
+        sampled: dict[str, tuple[int, ...]] = {}
+        logprobs: dict[str, tuple[TokenLogprobs, ...]] = {}
+        prompt_lps: dict[str, tuple[TokenLogprobs | None, ...]] = {}
+        if batch.samplers:
+            for st, _ in batch.samplers:
+                self._reseed(st)
+            rows = [SamplingRow(st.params, st.prompt_token_ids, st.output_token_ids,
+                                self.eos_token_ids, st.generator) for st, _ in batch.samplers]
+            idx = torch.tensor([r for _, r in batch.samplers], device=logits.device)
+            tokens, lps = self.sampler(logits[idx], rows)
+            for (st, _), tok, lp in zip(batch.samplers, tokens, lps):
+                st.output_token_ids.append(tok)
+                sampled[st.request_id] = (tok,)
+                if lp is not None:
+                    logprobs[st.request_id] = (lp,)
+        for span in batch.prompt_spans:
+            entries: list[TokenLogprobs | None] = [None] if span.first_chunk else []
+            if len(span.rows):
+                sl = logits[span.rows.start:span.rows.stop]
+                tgt = torch.tensor(span.target_ids, device=sl.device)
+                entries.extend(compute_prompt_logprobs(sl, tgt, span.state.params.prompt_logprobs or 0))
+            prompt_lps[span.state.request_id] = tuple(entries)
+        return StepResult(sampled_token_ids=sampled, logprobs=logprobs, prompt_logprobs=prompt_lps)
