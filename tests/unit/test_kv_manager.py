@@ -72,7 +72,25 @@ def test_prefix_hit_shares_blocks_and_caps_last_token():
     c = make_req("c", prompt[:8])
     _, n_hit = kv.get_computed_blocks(c)
     assert n_hit == 4
-    assert kv.prefix_cache_stats.queries == 18 and kv.prefix_cache_stats.hits == 12
+    # a (10, no hit) + b (10, 8 hit) + c (8, 4 hit)
+    assert kv.prefix_cache_stats == (28, 12)
+
+
+def test_repeated_lookup_while_waiting_counts_once():
+    kv = KVCacheManager(16, BS, enable_caching=True)
+    a = make_req("a", list(range(9)))
+    compute(kv, a)
+    b = make_req("b", list(range(9)))
+    for _ in range(3):  # a waiting request re-queries each step
+        kv.get_computed_blocks(b)
+    assert kv.prefix_cache_stats == (18, 8)
+    hits, _ = kv.get_computed_blocks(b)
+    kv.allocate_slots(b, 1, hits)
+    kv.free(b)
+    b.num_computed_tokens = 0
+    kv.get_computed_blocks(b)  # a new admission (e.g. after preemption) counts again
+    assert kv.prefix_cache_stats == (27, 16)
+    assert kv.prefix_cache_stats.hit_rate == pytest.approx(16 / 27)
 
 
 def test_no_hit_for_different_tokens_or_salt():

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import zipfile
 from pathlib import Path
 
@@ -44,6 +45,7 @@ def test_gguf_config(gguf_ckpt):
     assert gguf_ckpt.tokenizer is not None and not gguf_ckpt.dummy
 
 
+@pytest.mark.slow
 def test_gguf_tensors_match_transformers(default_gguf, gguf_tensors):
     # transformers' own GGUF conversion (dequantize + Q/K reverse permute), driven
     # directly so the test needs no `accelerate`.
@@ -118,8 +120,19 @@ def test_llama3_rope_scaling_from_rope_freqs(factor, low, high, orig):
 # ---- HF directories ----------------------------------------------------------------------
 
 
-def _tiny_qwen3(tmp_path: Path, gguf_path: str, **save_kwargs) -> dict[str, torch.Tensor]:
-    from transformers import AutoTokenizer, Qwen3Config, Qwen3ForCausalLM
+@pytest.fixture(scope="module")
+def tokenizer_dir(tmp_path_factory, default_gguf) -> Path:
+    """transformers' tokenizer for the GGUF, saved once (building it takes seconds)."""
+    from transformers import AutoTokenizer
+
+    out = tmp_path_factory.mktemp("tokenizer")
+    p = Path(default_gguf)
+    AutoTokenizer.from_pretrained(str(p.parent), gguf_file=p.name).save_pretrained(out)
+    return out
+
+
+def _tiny_qwen3(tmp_path: Path, tokenizer_dir: Path, **save_kwargs) -> dict[str, torch.Tensor]:
+    from transformers import Qwen3Config, Qwen3ForCausalLM
 
     torch.manual_seed(0)
     cfg = Qwen3Config(vocab_size=49152, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
@@ -128,8 +141,8 @@ def _tiny_qwen3(tmp_path: Path, gguf_path: str, **save_kwargs) -> dict[str, torc
                       bos_token_id=1, eos_token_id=2)
     model = Qwen3ForCausalLM(cfg)
     model.save_pretrained(tmp_path, **save_kwargs)
-    p = Path(gguf_path)
-    AutoTokenizer.from_pretrained(str(p.parent), gguf_file=p.name).save_pretrained(tmp_path)
+    for f in tokenizer_dir.iterdir():
+        shutil.copy(f, tmp_path / f.name)
     return {k: v.detach().clone() for k, v in model.state_dict().items()}
 
 
@@ -140,8 +153,8 @@ def _assert_same(ckpt, state: dict[str, torch.Tensor]) -> None:
         assert torch.equal(got[name], want), name
 
 
-def test_hf_dir_single_file(tmp_path, default_gguf):
-    state = _tiny_qwen3(tmp_path, default_gguf)
+def test_hf_dir_single_file(tmp_path, tokenizer_dir):
+    state = _tiny_qwen3(tmp_path, tokenizer_dir)
     assert (tmp_path / "model.safetensors").is_file()
     ckpt = open_checkpoint(str(tmp_path))
     assert ckpt.hf_config["architectures"] == ["Qwen3ForCausalLM"]
@@ -152,8 +165,8 @@ def test_hf_dir_single_file(tmp_path, default_gguf):
     _assert_same(ckpt, state)
 
 
-def test_hf_dir_sharded_parallel(tmp_path, default_gguf):
-    state = _tiny_qwen3(tmp_path, default_gguf, max_shard_size="2MB")
+def test_hf_dir_sharded_parallel(tmp_path, tokenizer_dir):
+    state = _tiny_qwen3(tmp_path, tokenizer_dir, max_shard_size="2MB")
     shards = sorted(tmp_path.glob("*.safetensors"))
     assert len(shards) >= 2 and (tmp_path / "model.safetensors.index.json").is_file()
     for workers in (1, 3):
@@ -164,16 +177,16 @@ def test_hf_dir_sharded_parallel(tmp_path, default_gguf):
     it.close()
 
 
-def test_hf_dir_missing_shard(tmp_path, default_gguf):
-    _tiny_qwen3(tmp_path, default_gguf, max_shard_size="2MB")
+def test_hf_dir_missing_shard(tmp_path, tokenizer_dir):
+    _tiny_qwen3(tmp_path, tokenizer_dir, max_shard_size="2MB")
     victim = sorted(tmp_path.glob("*.safetensors"))[-1]
     victim.unlink()
     with pytest.raises(ModelLoadError, match=f"shard {victim.name} .* is missing"):
         open_checkpoint(str(tmp_path))
 
 
-def test_hf_dir_corrupt_safetensors(tmp_path, default_gguf):
-    _tiny_qwen3(tmp_path, default_gguf)
+def test_hf_dir_corrupt_safetensors(tmp_path, tokenizer_dir):
+    _tiny_qwen3(tmp_path, tokenizer_dir)
     f = tmp_path / "model.safetensors"
     f.write_bytes(f.read_bytes()[: f.stat().st_size // 2])
     with pytest.raises(ModelLoadError, match="model.safetensors is not a valid safetensors file"):
@@ -189,8 +202,8 @@ def test_hf_dir_bad_config(tmp_path):
 # ---- dummy ------------------------------------------------------------------------------
 
 
-def test_dummy(tmp_path, default_gguf):
-    _tiny_qwen3(tmp_path, default_gguf)
+def test_dummy(tmp_path, tokenizer_dir):
+    _tiny_qwen3(tmp_path, tokenizer_dir)
     ckpt = open_checkpoint(f"dummy:{tmp_path / 'config.json'}")
     assert ckpt.dummy and ckpt.hf_config["hidden_size"] == 64
     assert ckpt.tokenizer is not None
@@ -319,3 +332,92 @@ def test_default_model_errors(monkeypatch, tmp_path):
     with pytest.raises(ModelLoadError, match="unexpected SHA-256"):
         default_model.default_model_path()
     assert not any((tmp_path / "cache").iterdir())  # nothing half-written is left behind
+
+
+# ---- synthetic GGUFs: Qwen2/Qwen3 (unpermuted) and Llama 3.1 (permuted + rope_freqs) -------
+
+
+def _gguf_name(hf: str) -> str:
+    from trellm.loader.gguf_loader import _GLOBAL_NAMES, _LAYER_NAMES
+
+    stem, _, kind = hf.rpartition(".")
+    for g, h in _GLOBAL_NAMES.items():
+        if stem == h:
+            return f"{g}.{kind}"
+    _, _, layer, rest = stem.split(".", 3)
+    return f"blk.{layer}.{next(g for g, h in _LAYER_NAMES.items() if h == rest)}.{kind}"
+
+
+def _llama_cpp_permute(w: np.ndarray, n_head: int) -> np.ndarray:
+    return w.reshape(n_head, 2, w.shape[0] // n_head // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+
+
+@pytest.mark.parametrize("arch", ["qwen3", "qwen2", "llama"])
+def test_synthetic_gguf_round_trip(tmp_path, arch):
+    import gguf
+
+    rng = np.random.default_rng(1)
+    hidden, heads, kv, hd, ffn, vocab = 32, 4, 2, 8, 48, 64
+    shapes = {"model.embed_tokens.weight": (vocab, hidden), "model.norm.weight": (hidden,),
+              "lm_head.weight": (vocab, hidden)}
+    for i in range(2):
+        p = f"model.layers.{i}."
+        shapes |= {p + "self_attn.q_proj.weight": (heads * hd, hidden),
+                   p + "self_attn.k_proj.weight": (kv * hd, hidden),
+                   p + "self_attn.v_proj.weight": (kv * hd, hidden),
+                   p + "self_attn.o_proj.weight": (hidden, heads * hd),
+                   p + "mlp.gate_proj.weight": (ffn, hidden), p + "mlp.up_proj.weight": (ffn, hidden),
+                   p + "mlp.down_proj.weight": (hidden, ffn), p + "input_layernorm.weight": (hidden,),
+                   p + "post_attention_layernorm.weight": (hidden,)}
+        if arch == "qwen3":
+            shapes |= {p + "self_attn.q_norm.weight": (hd,), p + "self_attn.k_norm.weight": (hd,)}
+        if arch == "qwen2":
+            shapes |= {p + f"self_attn.{x}_proj.bias": (n * hd,) for x, n in (("q", heads), ("k", kv), ("v", kv))}
+    state = {k: rng.standard_normal(s).astype(np.float32) for k, s in shapes.items()}
+    # The embedding goes in as F16 to exercise a non-F32 type; compare against its rounding.
+    state["model.embed_tokens.weight"] = state["model.embed_tokens.weight"].astype(np.float16)
+
+    path = tmp_path / f"{arch}.gguf"
+    w = gguf.GGUFWriter(str(path), arch)
+    w.add_block_count(2)
+    w.add_context_length(512)
+    w.add_embedding_length(hidden)
+    w.add_feed_forward_length(ffn)
+    w.add_head_count(heads)
+    w.add_head_count_kv(kv)
+    w.add_key_length(hd)
+    w.add_layer_norm_rms_eps(1e-6)
+    w.add_rope_freq_base(500000.0)
+    w.add_vocab_size(vocab)
+    for name, arr in state.items():
+        if arch == "llama" and (".q_proj." in name or ".k_proj." in name):
+            arr = _llama_cpp_permute(arr, heads if ".q_proj." in name else kv)
+        w.add_tensor(_gguf_name(name), arr)
+    llama3 = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+              "original_max_position_embeddings": 8192}
+    if arch == "llama":
+        w.add_tensor("rope_freqs.weight", llama3_factors(llama3, 500000.0, hd).astype(np.float32))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+
+    ckpt = open_checkpoint(str(path))
+    cfg = ckpt.hf_config
+    assert cfg["architectures"] == [{"qwen3": "Qwen3ForCausalLM", "qwen2": "Qwen2ForCausalLM",
+                                     "llama": "LlamaForCausalLM"}[arch]]
+    assert (cfg["head_dim"], cfg["num_key_value_heads"], cfg["vocab_size"]) == (hd, kv, vocab)
+    assert cfg["tie_word_embeddings"] is False and cfg["attention_bias"] is (arch == "qwen2")
+    assert ckpt.tokenizer is None
+    if arch == "llama":
+        fitted = cfg["rope_scaling"]
+        assert fitted["rope_type"] == "llama3" and fitted["factor"] == pytest.approx(8.0, rel=1e-6)
+        assert fitted["low_freq_factor"] == pytest.approx(1.0, rel=1e-3)
+        assert fitted["high_freq_factor"] == pytest.approx(4.0, rel=1e-3)
+    else:
+        assert cfg["rope_scaling"] is None
+    got = dict(ckpt.tensors())
+    assert set(got) == set(state)
+    for name, want in state.items():
+        assert got[name].dtype == torch.float32
+        assert torch.equal(got[name], torch.from_numpy(want.astype(np.float32))), name

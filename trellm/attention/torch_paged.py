@@ -23,6 +23,8 @@ class DecodeGroup:
     seq_lens: torch.Tensor
     """[B] context length including the new token."""
     max_seq_len: int
+    attn_mask: torch.Tensor | None = None
+    """[B, 1, 1, max_seq_len] True where a key is inside the sequence; built once per step."""
 
 
 @dataclass
@@ -61,7 +63,7 @@ class TorchPagedAttention:
         if meta.decode is not None:
             d = meta.decode
             out[d.token_index] = paged_decode_reference(q[d.token_index], kv_cache, d.block_table,
-                                                        d.seq_lens, d.max_seq_len, scale)
+                                                        d.seq_lens, d.max_seq_len, scale, d.attn_mask)
         for p in meta.prefills:
             sl = slice(p.q_start, p.q_start + p.q_len)
             out[sl] = prefill_reference(q[sl], k[sl], v[sl], kv_cache, p, scale)
@@ -74,8 +76,14 @@ def write_kv(kv_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slots: to
     kv_cache[1].view(nb * bs, hk, d).index_copy_(0, slots, v.to(kv_cache.dtype))
 
 
+def decode_mask(seq_lens: torch.Tensor, max_seq_len: int) -> torch.Tensor:
+    mask = torch.arange(max_seq_len, device=seq_lens.device)[None, :] < seq_lens[:, None]
+    return mask[:, None, None, :]
+
+
 def paged_decode_reference(q: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.Tensor,
-                           seq_lens: torch.Tensor, max_seq_len: int, scale: float) -> torch.Tensor:
+                           seq_lens: torch.Tensor, max_seq_len: int, scale: float,
+                           mask: torch.Tensor | None = None) -> torch.Tensor:
     """One query token per sequence over its paged context. q: [B, Hq, D]."""
     bsz, hq, d = q.shape
     bs, hk = kv_cache.shape[2], kv_cache.shape[3]
@@ -84,11 +92,14 @@ def paged_decode_reference(q: torch.Tensor, kv_cache: torch.Tensor, block_table:
     # [B, nblk, bs, Hk, D] -> [B, Hk, L, D]
     keys = kv_cache[0][table].reshape(bsz, nblk * bs, hk, d)[:, :max_seq_len].transpose(1, 2)
     vals = kv_cache[1][table].reshape(bsz, nblk * bs, hk, d)[:, :max_seq_len].transpose(1, 2)
-    mask = torch.arange(max_seq_len, device=q.device)[None, :] < seq_lens[:, None]
+    if mask is None:
+        mask = decode_mask(seq_lens, max_seq_len)
+    # CPU SDPA is slow in bf16/fp16 (no native units here): attend in float32 there.
+    cdt = torch.float32 if q.device.type == "cpu" else q.dtype
     out = F.scaled_dot_product_attention(
-        q.unsqueeze(2), keys.to(q.dtype), vals.to(q.dtype), attn_mask=mask[:, None, None, :],
+        q.unsqueeze(2).to(cdt), keys.to(cdt), vals.to(cdt), attn_mask=mask,
         scale=scale, enable_gqa=hq != hk)
-    return out.squeeze(2)
+    return out.squeeze(2).to(q.dtype)
 
 
 def prefill_reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor,
@@ -103,11 +114,12 @@ def prefill_reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cach
         bs, d = kv_cache.shape[2], kv_cache.shape[4]
         keys = kv_cache[0][p.block_ids].reshape(-1, hk, d)[: p.seq_len].to(q.dtype)
         vals = kv_cache[1][p.block_ids].reshape(-1, hk, d)[: p.seq_len].to(q.dtype)
-    qh, kh, vh = q.transpose(0, 1), keys.transpose(0, 1), vals.transpose(0, 1)
+    cdt = torch.float32 if q.device.type == "cpu" else q.dtype
+    qh, kh, vh = q.transpose(0, 1).to(cdt), keys.transpose(0, 1).to(cdt), vals.transpose(0, 1).to(cdt)
     if start == 0:
         out = F.scaled_dot_product_attention(qh, kh, vh, is_causal=True, scale=scale, enable_gqa=hq != hk)
     else:
         qpos = torch.arange(start, p.seq_len, device=q.device)
         mask = torch.arange(p.seq_len, device=q.device)[None, :] <= qpos[:, None]
         out = F.scaled_dot_product_attention(qh, kh, vh, attn_mask=mask, scale=scale, enable_gqa=hq != hk)
-    return out.transpose(0, 1)
+    return out.transpose(0, 1).to(q.dtype)

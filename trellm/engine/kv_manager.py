@@ -61,6 +61,9 @@ class KVCacheManager:
         """Per request: leading table blocks already considered by cache_full_blocks."""
         self._queries = 0
         self._hits = 0
+        self._pending_query: dict[str, tuple[int, int]] = {}
+        """Per request: the stats its last lookup added, until it is admitted. A
+        request that waits re-queries every step; only its latest lookup counts."""
 
     # ---- queries ---------------------------------------------------------------------
 
@@ -115,8 +118,10 @@ class KVCacheManager:
                 break
             blocks.append(block)
         num_tokens = len(blocks) * self.block_size
-        self._queries += request.num_tokens
-        self._hits += num_tokens
+        old_q, old_h = self._pending_query.pop(request.request_id, (0, 0))
+        self._queries += request.num_tokens - old_q
+        self._hits += num_tokens - old_h
+        self._pending_query[request.request_id] = (request.num_tokens, num_tokens)
         return blocks, num_tokens
 
     # ---- allocation --------------------------------------------------------------------
@@ -145,6 +150,7 @@ class KVCacheManager:
                 del self._free[b]
             self._ref[b] += 1
         fresh = [self._take_free_block() for _ in range(max(needed, 0))]
+        self._pending_query.pop(rid, None)
         if new_computed_blocks:
             self._num_registered[rid] = len(new_computed_blocks)
         table.extend(new_computed_blocks)
@@ -201,6 +207,7 @@ class KVCacheManager:
                 self._free[block] = None
         self._req_hashes.pop(rid, None)
         self._num_registered.pop(rid, None)
+        self._pending_query.pop(rid, None)
 
     def reset_prefix_cache(self) -> None:
         """Forget every cached hash (e.g. after weights change). Blocks in use keep

@@ -219,6 +219,7 @@ class Scheduler:
             hit_blocks, num_cached = self.kv.get_computed_blocks(req, allow_lookup=req.group_id is not None)
         num_new = req.num_tokens - num_cached
         if not self.config.enable_chunked_prefill:
+            # No chunking wanted, so the long-prefill cap (a chunking rule) is ignored.
             if num_new > budget and budget < self.config.max_num_batched_tokens:
                 return None
             # A request larger than a whole step's budget could otherwise never be
@@ -318,7 +319,8 @@ class Scheduler:
                 req.status, req.stop_reason = RequestStatus.FINISHED_STOPPED, tok
                 return True
         max_len = req.max_model_len or self.max_model_len
-        if (sp.max_tokens is not None and req.num_output_tokens >= sp.max_tokens) or req.num_tokens >= max_len:
+        if (sp.max_tokens is not None and req.num_output_tokens >= sp.max_tokens) or (
+                0 < max_len <= req.num_tokens):
             req.status = RequestStatus.FINISHED_LENGTH
             return True
         return False

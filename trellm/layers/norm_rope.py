@@ -73,11 +73,14 @@ class RotaryEmbedding(torch.nn.Module):
             self._cache = (emb.cos(), emb.sin())
         return self._cache
 
-    def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor):
+    def cos_sin(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """[T, 1, D] cos and sin for these positions; computed once per forward, shared by all layers."""
+        cos_all, sin_all = self._cos_sin(positions.device)
+        return cos_all[positions].unsqueeze(1).to(dtype), sin_all[positions].unsqueeze(1).to(dtype)
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor, cos_sin: tuple[torch.Tensor, torch.Tensor]):
         """q: [T, Hq, D], k: [T, Hk, D]; returns rotated (q, k) in their dtype."""
-        cos_all, sin_all = self._cos_sin(q.device)
-        cos = cos_all[positions].unsqueeze(1).to(q.dtype)
-        sin = sin_all[positions].unsqueeze(1).to(q.dtype)
+        cos, sin = cos_sin
         return q * cos + _rotate_half(q) * sin, k * cos + _rotate_half(k) * sin
 
 

@@ -191,30 +191,39 @@ def llama3_scaling_from_factors(factors: np.ndarray, theta: float, dim: int,
     when no parameters reproduce ``factors`` (or there is no scaling at all).
     """
     inv = 1.0 / theta ** (np.arange(0, dim, 2, dtype=np.float64) / dim)
-    if factors.shape != inv.shape:
+    factor = float(factors.max()) if factors.size else 1.0
+    if factors.shape != inv.shape or factor <= 1.0 + 1e-6:
         return None
-    wavelen = 2 * math.pi / inv
-    factor = float(factors.max())
-    if factor <= 1.0 + 1e-6:
-        return None
+    for low, high in _llama3_band_candidates(factors, 2 * math.pi / inv, factor, original):
+        params = {"rope_type": "llama3", "factor": factor, "low_freq_factor": float(low),
+                  "high_freq_factor": float(high), "original_max_position_embeddings": original}
+        if np.allclose(llama3_factors(params, theta, dim), factors, rtol=1e-3, atol=1e-6):
+            return params
+    return None
+
+
+def _llama3_band_candidates(factors: np.ndarray, wavelen: np.ndarray, factor: float,
+                            original: int) -> Iterator[tuple[float, float]]:
+    """(low_freq_factor, high_freq_factor) guesses; the caller keeps the first that fits."""
     medium = (factors > 1.0 + 1e-4) & (factors < factor * (1 - 1e-4))
+    s = (1.0 / factors - 1.0 / factor) / (1.0 - 1.0 / factor)  # 0 kept .. 1 fully scaled
     if medium.sum() >= 2:
-        s = (1.0 / factors[medium] - 1.0 / factor) / (1.0 - 1.0 / factor)
-        slope, intercept = np.polyfit(1.0 / wavelen[medium], s, 1)
-        low, high = -intercept * original / slope, (1 - intercept) * original / slope
-    else:
-        # No band to fit: put both band edges between the last kept and the
-        # first scaled wavelength.
-        keep, scaled = wavelen[factors <= 1.0 + 1e-4], wavelen[factors >= factor * (1 - 1e-4)]
-        if not len(keep) or not len(scaled) or keep.max() >= scaled.min():
-            return None
-        w0, w1 = keep.max(), scaled.min()
-        low, high = original / (w0 + 2 * (w1 - w0) / 3), original / (w0 + (w1 - w0) / 3)
-    params = {"rope_type": "llama3", "factor": factor, "low_freq_factor": float(low),
-              "high_freq_factor": float(high), "original_max_position_embeddings": original}
-    if not np.allclose(llama3_factors(params, theta, dim), factors, rtol=1e-3, atol=1e-6):
-        return None
-    return params
+        slope, intercept = np.polyfit(1.0 / wavelen[medium], s[medium], 1)
+        yield -intercept * original / slope, (1 - intercept) * original / slope
+        return
+    keep, scaled = wavelen[factors <= 1.0 + 1e-4], wavelen[factors >= factor * (1 - 1e-4)]
+    if not len(keep) or not len(scaled) or keep.max() >= scaled.min():
+        return
+    w0, w1 = keep.max(), scaled.min()
+    if medium.sum() == 1:
+        # One band point fixes one equation: try Meta's low_freq_factor=1, then a
+        # low edge halfway to the first scaled wavelength.
+        wm, sm = wavelen[medium][0], s[medium][0]
+        for low in (1.0, original / ((wm + w1) / 2)):
+            yield low, low + (original / wm - low) / sm  # from s = (original/wm - low)/(high - low)
+        return
+    # No band point: put both band edges between the last kept and first scaled wavelength.
+    yield original / (w0 + 2 * (w1 - w0) / 3), original / (w0 + (w1 - w0) / 3)
 
 
 def llama3_factors(params: dict, theta: float, dim: int) -> np.ndarray:

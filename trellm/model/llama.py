@@ -47,7 +47,7 @@ class Attention(torch.nn.Module):
         v = v.view(t, self.num_kv_heads, self.head_dim)
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
-        q, k = self.rope(positions, q, k)
+        q, k = self.rope(q, k, ctx.cos_sin)
         out = ctx.backend.forward(q, k, v, ctx.kv_caches[self.layer_idx], ctx.meta, self.scale)
         return self.o_proj(out.reshape(t, -1))
 
@@ -95,6 +95,7 @@ class LlamaForCausalLM(torch.nn.Module):
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, ctx) -> torch.Tensor:
         """input_ids, positions: [T]; returns final hidden states [T, hidden]."""
         x = self.embed_tokens(input_ids)
+        ctx.cos_sin = self.layers[0].self_attn.rope.cos_sin(positions, x.dtype)
         for layer in self.layers:
             x = layer(x, positions, ctx)
         return self.norm(x)

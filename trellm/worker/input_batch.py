@@ -5,7 +5,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from trellm.attention.torch_paged import AttentionMetadata, DecodeGroup, PrefillSeq
+from trellm.attention.torch_paged import AttentionMetadata, DecodeGroup, PrefillSeq, decode_mask
 from trellm.engine.types import StepPlan
 from trellm.sampling_params import SamplingParams
 
@@ -116,11 +116,13 @@ def _metadata(slots, dec_rows, dec_tables, dec_lens, prefills, block_size, devic
         table = torch.zeros(len(dec_tables), width, dtype=torch.long)
         for i, t in enumerate(dec_tables):
             table[i, : len(t)] = torch.tensor(t, dtype=torch.long)
+        seq_lens = torch.tensor(dec_lens, dtype=torch.long, device=device)
         decode = DecodeGroup(
             token_index=torch.tensor(dec_rows, dtype=torch.long, device=device),
             block_table=table.to(device),
-            seq_lens=torch.tensor(dec_lens, dtype=torch.long, device=device),
+            seq_lens=seq_lens,
             max_seq_len=max(dec_lens),
+            attn_mask=decode_mask(seq_lens, max(dec_lens)),
         )
     prefill_seqs = [
         PrefillSeq(q_start=qs, q_len=n, seq_len=end,

@@ -18,6 +18,8 @@ class ForwardContext:
     backend: object
     kv_caches: list[torch.Tensor]
     meta: object
+    cos_sin: tuple[torch.Tensor, torch.Tensor] | None = None
+    """RoPE tables for this step's positions, filled once by the model for all layers."""
 
 
 class ModelRunner:
