@@ -42,7 +42,7 @@ class CacheConfig:
     """Force the pool to this many blocks (tests use it to force preemption)."""
     enable_prefix_caching: bool = True
     """Reuse KV blocks of identical prompt prefixes across requests."""
-    cpu_kv_cache_default: int = 2 << 30
+    cpu_kv_cache_default: int = 1 << 30
     """KV bytes on CPU when nothing else is said."""
 
 

@@ -28,9 +28,11 @@ def _stream(llm: LLM, prompt_ids: list[int], params) -> str:
 
 
 def run_generate(args: argparse.Namespace) -> int:
+    params = sampling_params(args)  # bad values fail before the model loads
     llm = LLM(args.model, **engine_kwargs(args))
-    params = sampling_params(args)
     tok = llm.get_tokenizer()
+    if tok is None:
+        raise ValueError("this model has no tokenizer, so it cannot take a text prompt")
     if args.chat:
         ids = tok.encode(tok.apply_chat_template([{"role": "user", "content": args.prompt}]),
                          add_special_tokens=False)
@@ -41,9 +43,11 @@ def run_generate(args: argparse.Namespace) -> int:
 
 
 def run_chat(args: argparse.Namespace) -> int:
-    llm = LLM(args.model, **engine_kwargs(args))
     params = sampling_params(args)
+    llm = LLM(args.model, **engine_kwargs(args))
     tok = llm.get_tokenizer()
+    if tok is None or tok.chat_template is None:
+        raise ValueError("this model has no chat template")
     messages: list[dict] = [{"role": "system", "content": args.system}] if args.system else []
     print("trellm chat — empty line or Ctrl-D to quit", file=sys.stderr)
     while True:

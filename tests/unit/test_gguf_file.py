@@ -1,0 +1,45 @@
+"""The lean GGUF parser agrees with the gguf package's reader field for field and
+byte for byte, and rejects damaged files with a clear message."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from trellm.loader.gguf_file import GGUFFormatError, read_gguf
+
+
+def test_matches_gguf_reader(default_gguf):
+    import gguf
+
+    ours = read_gguf(default_gguf)
+    ref = gguf.GGUFReader(default_gguf)
+    for key, field in ref.fields.items():
+        if key.startswith("GGUF."):
+            continue
+        expected = field.contents()
+        got = ours.fields[key]
+        if isinstance(expected, float):
+            assert got == pytest.approx(expected, rel=1e-7), key
+        else:
+            assert got == expected, key
+    assert [t.name for t in ours.tensors] == [t.name for t in ref.tensors]
+    for a, b in zip(ref.tensors, ours.tensors):
+        assert tuple(a.shape) == b.shape and a.tensor_type == b.tensor_type, a.name
+        assert np.array_equal(np.asarray(a.data), b.data), a.name
+
+
+def test_rejects_damaged_files(tmp_path, default_gguf):
+    bad = tmp_path / "bad.gguf"
+    bad.write_bytes(b"GGML" + b"\0" * 64)
+    with pytest.raises(GGUFFormatError, match="magic"):
+        read_gguf(bad)
+    truncated = tmp_path / "truncated.gguf"
+    with open(default_gguf, "rb") as f:
+        truncated.write_bytes(f.read(5_000_000))
+    with pytest.raises(GGUFFormatError, match="past the end"):
+        read_gguf(truncated)
+    header_only = tmp_path / "header.gguf"
+    with open(default_gguf, "rb") as f:
+        header_only.write_bytes(f.read(1000))
+    with pytest.raises(GGUFFormatError):
+        read_gguf(header_only)
