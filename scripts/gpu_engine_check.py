@@ -86,7 +86,7 @@ def main() -> None:
     for name in args.dtypes.split(","):
         dtype = getattr(torch, name)
         llm = LLM(f"dummy:{args.config}", dtype=name, device=DEVICE, max_model_len=4096,
-                  gpu_memory_utilization=0.45)
+                  gpu_memory_utilization=0.45, quantization="none")
         hf = load_transformers_peer(f"dummy:{args.config}", dtype, DEVICE)
         tie = 1e-3 if dtype == torch.float32 else 0.1  # bf16 logits carry ~1e-2 rounding
         r = compare(llm, hf, prompts, args.gen, tie)

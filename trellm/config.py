@@ -26,6 +26,9 @@ class ModelConfig:
     """Parallel readers for safetensors shards."""
     tokenizer: str | None = None
     """Tokenizer override (a Hugging Face directory or tokenizer.json)."""
+    quantization: str = "auto"
+    """'auto': on CPU keep GGUF Q4_0/Q4_1 linear weights packed (int4 matmul, bf16
+    activations); 'none': dequantize everything to --dtype."""
 
 
 @dataclass(frozen=True)
@@ -87,3 +90,5 @@ class EngineConfig:
             raise ValueError(f"unsupported --dtype {self.model.dtype!r}")
         if self.model.device not in ("auto", "cpu", "cuda"):
             raise ValueError(f"unsupported --device {self.model.device!r}")
+        if self.model.quantization not in ("auto", "none"):
+            raise ValueError(f"unsupported --quantization {self.model.quantization!r}")

@@ -56,7 +56,7 @@ def check_against_reference(hf, prompt_ids: list[int], out_ids: list[int], out_l
 def pair(default_gguf):
     from trellm.bench.hf_peer import load_transformers_peer
 
-    llm = LLM(default_gguf, dtype="float32", device="cpu")
+    llm = LLM(default_gguf, dtype="float32", device="cpu", quantization="none")
     hf = load_transformers_peer(default_gguf, torch.float32)
     return llm, hf
 
@@ -123,7 +123,7 @@ def _write_random_qwen3(tmp_path) -> str:
 def test_random_qwen3_hf_directory(tmp_path):
     path, hf = _write_random_qwen3(tmp_path)
     assert len(list(tmp_path.glob("*.safetensors"))) > 1  # the parallel shard reader is exercised
-    llm = LLM(path, dtype="float32", device="cpu")
+    llm = LLM(path, dtype="float32", device="cpu", quantization="none")
     g = torch.Generator().manual_seed(3)
     prompts = [{"prompt_token_ids": torch.randint(0, 512, (n,), generator=g).tolist()} for n in (5, 17, 40)]
     outs = llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=32, ignore_eos=True, logprobs=0))

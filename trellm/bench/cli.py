@@ -25,7 +25,16 @@ def add_bench_parser(sub) -> None:
     lat.add_argument("--compare-transformers", action="store_true",
                      help="also run transformers on the same weights in this process")
     lat.add_argument("--out", default=None, help="write JSON results here")
+    lat.add_argument("--label", default=None, help="name of this trellm configuration in tables and plots")
     lat.set_defaults(func=run_latency)
+    summ = bsub.add_parser("summarize", help="merge latency JSON files into one markdown table and a PNG")
+    summ.add_argument("results", nargs="+")
+    summ.add_argument("--markdown", required=True)
+    summ.add_argument("--png", required=True)
+    summ.add_argument("--title", default="trellm vs transformers, same weights, same process run")
+    summ.add_argument("--anchor", action="append", default=[],
+                      help="extra row 'label:decode_tok_s:prefill_tok_s' quoted from elsewhere (not measured here)")
+    summ.set_defaults(func=run_summarize)
 
 
 def run_latency(args: argparse.Namespace) -> int:
@@ -61,10 +70,40 @@ def run_latency(args: argparse.Namespace) -> int:
             "model": args.model or "embedded default (SmolLM2-135M-Instruct Q4_1 GGUF, dequantized)",
             "dtype": str(dtype).removeprefix("torch."), "device": str(device),
             "spec": spec.__dict__,
+            "label": args.label,
             "results": [as_dict(r) for r in rows],
             "transformers_version": peer_version if args.compare_transformers else None,
         }
         Path(args.out).parent.mkdir(parents=True, exist_ok=True)
         Path(args.out).write_text(json.dumps(result, indent=2) + "\n")
         print(f"wrote {args.out}")
+    return 0
+
+
+def run_summarize(args: argparse.Namespace) -> int:
+    from trellm.bench.plots import plot_latency
+
+    rows, lines = [], []
+    for path in args.results:
+        data = json.loads(Path(path).read_text())
+        for r in data["results"]:
+            engine = r["engine"]
+            label = f"trellm {data.get('label') or data['dtype']}" if engine == "trellm" else f"transformers {data['dtype']}"
+            if any(x["label"] == label for x in rows):
+                continue
+            rows.append({"label": label, **r})
+            lines.append((label, r, data["command"]))
+    md = ["| engine / weights | TTFT ms (128-token prompt) | decode tok/s, 1 stream | prefill tok/s (512) "
+          "| aggregate tok/s, 8 concurrent | aggregate decode tok/s | command |",
+          "|---|---|---|---|---|---|---|"]
+    for label, r, cmd in lines:
+        md.append(f"| {label} | {r['ttft_ms']:.0f} | {r['decode_tok_s']:.1f} | {r['prefill_tok_s']:.0f} | "
+                  f"{r['aggregate_tok_s']:.1f} | {r['aggregate_decode_tok_s']:.1f} | `{cmd}` |")
+    for a in args.anchor:
+        label, dec, pre = a.split(":")
+        md.append(f"| {label} (quoted, not run here) | – | {dec} | {pre} | – | – | – |")
+    Path(args.markdown).write_text("\n".join(md) + "\n")
+    plot_latency(rows, args.title, args.png)
+    print("\n".join(md))
+    print(f"wrote {args.markdown} and {args.png}")
     return 0

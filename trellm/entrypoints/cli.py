@@ -18,6 +18,9 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                    help="GGUF file, Hugging Face directory or dummy:<config.json> (default: embedded SmolLM2-135M)")
     p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
     p.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"])
+    p.add_argument("--quantization", default="auto", choices=["auto", "none"],
+                   help="auto: on CPU keep GGUF Q4_0/Q4_1 linear weights packed (int4 matmul, "
+                        "bf16 activations); none: dequantize everything to --dtype")
     p.add_argument("--max-model-len", type=int, default=None)
     p.add_argument("--max-num-seqs", type=int, default=64)
     p.add_argument("--max-num-batched-tokens", type=int, default=2048)
@@ -31,7 +34,7 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
 
 
 def engine_kwargs(a: argparse.Namespace) -> dict:
-    return dict(dtype=a.dtype, device=a.device, max_model_len=a.max_model_len,
+    return dict(dtype=a.dtype, device=a.device, quantization=a.quantization, max_model_len=a.max_model_len,
                 max_num_seqs=a.max_num_seqs, max_num_batched_tokens=a.max_num_batched_tokens,
                 long_prefill_token_threshold=a.long_prefill_token_threshold,
                 enable_prefix_caching=a.enable_prefix_caching, block_size=a.block_size,

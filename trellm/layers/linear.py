@@ -24,6 +24,8 @@ class Linear(torch.nn.Module):
         return self.method.apply(self, x)
 
     def weight_loader(self, param_name: str, tensor: torch.Tensor, shard: int | None = None) -> None:
+        if self.method.load_weight(self, param_name, tensor, None):
+            return  # the method keeps this tensor in its own format (e.g. packed int4)
         param = getattr(self, param_name)
         _copy_checked(param.data, tensor, f"{param_name}")
 
@@ -40,8 +42,10 @@ class MergedLinear(Linear):
     def weight_loader(self, param_name: str, tensor: torch.Tensor, shard: int | None = None) -> None:
         if shard is None:
             return super().weight_loader(param_name, tensor)
-        param = getattr(self, param_name).data
         start, size = self.offsets[shard], self.out_sizes[shard]
+        if self.method.load_weight(self, param_name, tensor, (start, size)):
+            return
+        param = getattr(self, param_name).data
         _copy_checked(param.narrow(0, start, size), tensor, f"{param_name}[shard {shard}]")
 
     def split(self, y: torch.Tensor) -> list[torch.Tensor]:

@@ -40,10 +40,16 @@ class Checkpoint:
     """Where it came from, for messages."""
     dummy: bool = False
     """Config only: the model code makes random weights and ``tensors()`` raises."""
+    tensor_types: dict[str, str] = field(default_factory=dict)
+    """Storage type per HF tensor name as the file holds it (GGUF: 'Q4_1', 'F32', ...);
+    {} for formats that do not record one."""
 
 
-def open_checkpoint(model: str, load_workers: int = 4) -> Checkpoint:
+def open_checkpoint(model: str, load_workers: int = 4, keep_q4: bool = False) -> Checkpoint:
     """Open a GGUF file, an HF directory, or ``dummy:<config.json>``; '' = the default model.
+
+    ``keep_q4`` (GGUF only): yield Q4_0/Q4_1 decoder-layer linear weights still
+    quantized, as ``trellm.quant.gguf_int4.Q4Tensor``, instead of float32.
 
     Raises ``ModelLoadError`` with a one-line message for anything it cannot read.
     """
@@ -70,7 +76,7 @@ def open_checkpoint(model: str, load_workers: int = 4) -> Checkpoint:
                              f"a Hugging Face directory or dummy:<config.json>")
     from trellm.loader.gguf_loader import load_gguf
 
-    return load_gguf(path)
+    return load_gguf(path, keep_q4=keep_q4)
 
 
 def _read_magic(path: Path) -> bytes:

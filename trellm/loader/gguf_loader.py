@@ -1,7 +1,9 @@
 """GGUF files: llama.cpp metadata -> HF config, GGUF tensors -> HF-named float32 tensors.
 
 Quantized tensors are dequantized with the ``gguf`` package (every type it
-implements); the engine then treats them as a dense checkpoint.
+implements); the engine then treats them as a dense checkpoint. With ``keep_q4``
+the decoder-layer linear weights of type Q4_0 / Q4_1 come out still quantized, as
+``Q4Tensor`` (for the packed int4 matmul, ``trellm.quant.gguf_int4``).
 
 Two conversions are not plain renames:
 
@@ -26,6 +28,7 @@ import torch
 
 from trellm.loader.checkpoint import Checkpoint
 from trellm.loader.errors import ModelLoadError, first_line
+from trellm.quant.gguf_int4 import Q4_TYPES, Q4Tensor, is_linear_weight, q4_from_gguf
 
 ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM"}
 
@@ -42,8 +45,10 @@ _LAYER_RE = re.compile(r"^blk\.(\d+)\.([a-z_]+)\.(weight|bias)$")
 _DEFAULT_LLAMA3_ORIGINAL_CONTEXT = 8192
 
 
-def load_gguf(path: Path) -> Checkpoint:
-    """Open a GGUF file as a ``Checkpoint`` (tensors are read lazily)."""
+def load_gguf(path: Path, keep_q4: bool = False) -> Checkpoint:
+    """Open a GGUF file as a ``Checkpoint`` (tensors are read lazily); ``keep_q4``:
+    yield Q4_0/Q4_1 decoder-layer linear weights as ``Q4Tensor`` (never the embedding,
+    the LM head or norms)."""
     import gguf
 
     from trellm.tokenizer.tokenizer import Tokenizer
@@ -61,15 +66,20 @@ def load_gguf(path: Path) -> Checkpoint:
     tokenizer = Tokenizer.from_gguf(reader) if "tokenizer.ggml.model" in reader.fields else None
     generation_config = {k: config[k] for k in ("bos_token_id", "eos_token_id") if config.get(k) is not None}
     unpermute = config["model_type"] == "llama"
+    types = {hf: t.tensor_type.name for t in reader.tensors if (hf := names[t.name]) is not None}
 
-    def tensors() -> Iterator[tuple[str, torch.Tensor]]:
+    def tensors() -> Iterator[tuple[str, torch.Tensor | Q4Tensor]]:
         for t in reader.tensors:
             hf_name = names[t.name]
-            if hf_name is not None:
+            if hf_name is None:
+                continue
+            if keep_q4 and types[hf_name] in Q4_TYPES and is_linear_weight(hf_name):
+                yield hf_name, _q4_tensor(t, config, unpermute)
+            else:
                 yield hf_name, _dequantize(t, config, unpermute, source=str(path))
 
     return Checkpoint(hf_config=config, tensors=tensors, tokenizer=tokenizer,
-                      generation_config=generation_config, source=str(path))
+                      generation_config=generation_config, source=str(path), tensor_types=types)
 
 
 def hf_tensor_name(name: str) -> str | None:
@@ -105,12 +115,35 @@ def _dequantize(t: Any, config: dict, unpermute: bool, source: str) -> torch.Ten
     # GGUF lists dims fastest-first; reversed they are the row-major (HF) shape.
     shape = tuple(int(d) for d in reversed(t.shape.tolist()))
     arr = np.ascontiguousarray(arr, dtype=np.float32).reshape(shape)
-    if unpermute and (".attn_q." in t.name or ".attn_k." in t.name):
-        heads = config["num_attention_heads"] if ".attn_q." in t.name else config["num_key_value_heads"]
+    heads = _permuted_heads(t.name, config, unpermute)
+    if heads:
         arr = unpermute_qk(arr, heads)
     if not arr.flags.writeable or not arr.flags.c_contiguous:
         arr = arr.copy()  # F32 tensors come back as read-only views of the memory map
     return torch.from_numpy(arr)
+
+
+def _q4_tensor(t: Any, config: dict, unpermute: bool) -> Q4Tensor:
+    shape = tuple(int(d) for d in reversed(t.shape.tolist()))
+    q4 = q4_from_gguf(t.data, t.tensor_type.name, shape)
+    heads = _permuted_heads(t.name, config, unpermute)
+    if not heads:
+        return q4
+
+    # The permutation moves whole rows, so it applies to q, scale and zero alike.
+    def rows(x: torch.Tensor) -> torch.Tensor:
+        return torch.from_numpy(np.ascontiguousarray(unpermute_qk(x.numpy(), heads)))
+
+    return Q4Tensor(rows(q4.q), rows(q4.scale), None if q4.zero is None else rows(q4.zero))
+
+
+def _permuted_heads(gguf_name: str, config: dict, unpermute: bool) -> int:
+    """Heads to un-permute the rows of ``gguf_name`` by (llama Q/K), else 0."""
+    if unpermute and ".attn_q." in gguf_name:
+        return config["num_attention_heads"]
+    if unpermute and ".attn_k." in gguf_name:
+        return config["num_key_value_heads"]
+    return 0
 
 
 # ---- metadata -> config ----------------------------------------------------------------

@@ -18,6 +18,12 @@ class LinearMethod:
                        bias: bool, dtype: torch.dtype) -> None:
         raise NotImplementedError
 
+    def load_weight(self, layer: torch.nn.Module, param_name: str, tensor: object,
+                    rows: tuple[int, int] | None) -> bool:
+        """Store a checkpoint tensor that the method keeps in its own format (rows =
+        (start, size) of a MergedLinear shard, None = all). False: the layer does a plain copy."""
+        return False
+
     def process_after_loading(self, layer: torch.nn.Module) -> None:
         """Repack weights once they are loaded (no-op by default)."""
 
@@ -45,9 +51,19 @@ QUANT_METHODS: dict[str, type[LinearMethod]] = {
 
 def get_linear_method(quantization_config: dict | None) -> LinearMethod:
     """Pick the strategy from a checkpoint's ``quantization_config``."""
+    _register_builtin_methods()
     method = (quantization_config or {}).get("quant_method", "none")
     cls = QUANT_METHODS.get(method)
     if cls is None:
         raise ValueError(f"unsupported quantization method {method!r} "
                          f"(supported: {', '.join(sorted(QUANT_METHODS))})")
     return cls()
+
+
+def _register_builtin_methods() -> None:
+    # Imported on first use: these modules subclass LinearMethod, so importing them
+    # at the top of this one would be circular.
+    if "gguf_q4" not in QUANT_METHODS:
+        from trellm.quant.gguf_int4 import GGUFQ4LinearMethod
+
+        QUANT_METHODS["gguf_q4"] = GGUFQ4LinearMethod

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import logging
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
@@ -13,6 +13,7 @@ from trellm.loader.checkpoint import Checkpoint, open_checkpoint
 from trellm.loader.errors import ModelLoadError
 from trellm.model.config import ArchConfig
 from trellm.model.registry import get_model_class
+from trellm.quant.gguf_int4 import Q4_TYPES, Q4Tensor, is_linear_weight
 from trellm.worker.model_runner import ModelRunner
 
 log = logging.getLogger("trellm")
@@ -58,13 +59,18 @@ def build_worker(config: EngineConfig) -> WorkerInfo:
     mc, cc = config.model, config.cache
     device = resolve_device(mc.device)
     dtype = resolve_dtype(mc.dtype, device)
-    ckpt = open_checkpoint(mc.model, load_workers=mc.load_workers)
+    # The int4 kernel is CPU-only; elsewhere Q4 weights are dequantized as before.
+    keep_q4 = mc.quantization == "auto" and device.type == "cpu"
+    ckpt = open_checkpoint(mc.model, load_workers=mc.load_workers, keep_q4=keep_q4)
     try:
         arch = ArchConfig.from_hf(ckpt.hf_config)
     except ValueError as e:
         raise ModelLoadError(f"invalid model config: {e}") from None
+    packed = keep_q4 and _all_linears_q4(ckpt)
+    if packed:
+        arch = replace(arch, quantization_config={"quant_method": "gguf_q4"})
     max_len = mc.max_model_len or arch.max_position_embeddings
-    model = _load_model(ckpt, arch, dtype, device, max_len, mc.seed)
+    model = _load_model(ckpt, arch, dtype, device, max_len, mc.seed, dequantize_q4=keep_q4 and not packed)
     backend = get_attention_backend(device, dtype)
     num_blocks = _num_blocks(config, arch, dtype, device)
     shape = (2, num_blocks, cc.block_size, arch.num_kv_heads, arch.head_dim)
@@ -75,13 +81,28 @@ def build_worker(config: EngineConfig) -> WorkerInfo:
     max_len = min(max_len, num_blocks * cc.block_size)
     info = WorkerInfo(runner, ckpt, arch, max_len, num_blocks, cc.block_size, device, dtype,
                       time.perf_counter() - t0)
-    log.info("loaded %s (%s, %s, %s) in %.1fs; KV cache: %d blocks = %d tokens; context %d",
+    log.info("loaded %s (%s, %s, %s%s) in %.1fs; KV cache: %d blocks = %d tokens; context %d",
              ckpt.source, arch.architecture, device.type, str(dtype).removeprefix("torch."),
-             info.load_seconds, num_blocks, info.kv_capacity_tokens, max_len)
+             ", int4 linear weights" if packed else "", info.load_seconds, num_blocks,
+             info.kv_capacity_tokens, max_len)
     return info
 
 
-def _load_model(ckpt: Checkpoint, arch: ArchConfig, dtype, device, max_len: int, seed: int):
+def _all_linears_q4(ckpt: Checkpoint) -> bool:
+    """Whether every decoder-layer linear weight of the file is Q4_0/Q4_1 (so all of
+    them can be kept packed). Mixed files fall back to dense weights, for simplicity."""
+    linear = {t for n, t in ckpt.tensor_types.items() if is_linear_weight(n)}
+    if not linear:
+        return False  # not a GGUF (no recorded types): nothing to keep packed
+    other = sorted(linear - set(Q4_TYPES))
+    if other:
+        log.info("quantization auto: %s has %s linear weights, not only Q4_0/Q4_1; "
+                 "dequantizing all of them", ckpt.source, ", ".join(other))
+    return not other
+
+
+def _load_model(ckpt: Checkpoint, arch: ArchConfig, dtype, device, max_len: int, seed: int,
+                dequantize_q4: bool = False):
     cls = get_model_class(arch.architecture)
     with torch.device(device):
         model = cls(arch, dtype, max_len)
@@ -89,6 +110,9 @@ def _load_model(ckpt: Checkpoint, arch: ArchConfig, dtype, device, max_len: int,
         if ckpt.dummy:
             from trellm.model.llama import dummy_weights
             model.load_weights(dummy_weights(arch, seed, device))
+        elif dequantize_q4:
+            model.load_weights((n, t.dequantize() if isinstance(t, Q4Tensor) else t)
+                               for n, t in ckpt.tensors())
         else:
             model.load_weights(ckpt.tensors())
     except ValueError as e:
