@@ -328,6 +328,6 @@ def test_int4_model_close_to_float32(default_gguf):
           f"positions; greedy 24-token continuations equal on {same}/{len(PROMPTS)}; float32 log-prob "
           f"gaps where they part: {[round(g, 4) for g in tie_gaps]}")
     assert kl.numel() >= 100
-    assert float(kl.mean()) < 0.02
-    assert same >= len(PROMPTS) // 2
+    assert float(kl.mean()) < 0.01
+    assert same >= len(PROMPTS) // 3  # int8 LM head: KL ~0.002, a few near-ties flip
     assert all(g < 0.5 for g in tie_gaps)  # they part only where float32 itself nearly tied

@@ -59,6 +59,9 @@ class TorchPagedAttention:
                 kv_cache: torch.Tensor, meta: AttentionMetadata, scale: float) -> torch.Tensor:
         """q: [T, Hq, D]; k, v: [T, Hk, D]; returns [T, Hq, D]."""
         write_kv(kv_cache, k, v, meta.slot_mapping)
+        if meta.decode is not None and not meta.prefills:
+            d = meta.decode  # decode-only step: rows are already in order
+            return paged_decode_reference(q, kv_cache, d.block_table, d.seq_lens, d.max_seq_len, scale, d.attn_mask)
         out = torch.empty_like(q)
         if meta.decode is not None:
             d = meta.decode
@@ -88,10 +91,11 @@ def paged_decode_reference(q: torch.Tensor, kv_cache: torch.Tensor, block_table:
     bsz, hq, d = q.shape
     bs, hk = kv_cache.shape[2], kv_cache.shape[3]
     nblk = (max_seq_len + bs - 1) // bs
-    table = block_table[:, :nblk]
-    # [B, nblk, bs, Hk, D] -> [B, Hk, L, D]
-    keys = kv_cache[0][table].reshape(bsz, nblk * bs, hk, d)[:, :max_seq_len].transpose(1, 2)
-    vals = kv_cache[1][table].reshape(bsz, nblk * bs, hk, d)[:, :max_seq_len].transpose(1, 2)
+    table = block_table[:, :nblk].reshape(-1)
+    # One gather for K and V (index_select beats advanced indexing on the CPU):
+    # [2, B*nblk, bs, Hk, D] -> [2, B, Hk, L, D]
+    kv = kv_cache.index_select(1, table).reshape(2, bsz, nblk * bs, hk, d)[:, :, :max_seq_len].transpose(2, 3)
+    keys, vals = kv[0], kv[1]
     if mask is None:
         mask = decode_mask(seq_lens, max_seq_len)
     # CPU SDPA is slow in bf16/fp16 (no native units here): attend in float32 there.
@@ -112,14 +116,15 @@ def prefill_reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cach
         keys, vals = k, v
     else:
         bs, d = kv_cache.shape[2], kv_cache.shape[4]
-        keys = kv_cache[0][p.block_ids].reshape(-1, hk, d)[: p.seq_len].to(q.dtype)
-        vals = kv_cache[1][p.block_ids].reshape(-1, hk, d)[: p.seq_len].to(q.dtype)
+        kv = kv_cache.index_select(1, p.block_ids).reshape(2, -1, hk, d)[:, : p.seq_len].to(q.dtype)
+        keys, vals = kv[0], kv[1]
     cdt = torch.float32 if q.device.type == "cpu" else q.dtype
-    qh, kh, vh = q.transpose(0, 1).to(cdt), keys.transpose(0, 1).to(cdt), vals.transpose(0, 1).to(cdt)
+    # 4-D [1, H, L, D]: with 3-D inputs the CPU picks the slow math kernel.
+    qh, kh, vh = (t.transpose(0, 1).unsqueeze(0).to(cdt) for t in (q, keys, vals))
     if start == 0:
         out = F.scaled_dot_product_attention(qh, kh, vh, is_causal=True, scale=scale, enable_gqa=hq != hk)
     else:
         qpos = torch.arange(start, p.seq_len, device=q.device)
         mask = torch.arange(p.seq_len, device=q.device)[None, :] <= qpos[:, None]
         out = F.scaled_dot_product_attention(qh, kh, vh, attn_mask=mask, scale=scale, enable_gqa=hq != hk)
-    return out.transpose(0, 1).to(q.dtype)
+    return out.squeeze(0).transpose(0, 1).to(q.dtype)

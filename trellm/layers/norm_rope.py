@@ -8,6 +8,15 @@ from __future__ import annotations
 import math
 
 import torch
+import torch.nn.functional as F
+
+
+def rms_norm_reference(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """transformers' LlamaRMSNorm arithmetic: normalize in float32, cast back, then scale."""
+    dtype = x.dtype
+    xf = x.float()
+    xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * xf.to(dtype)
 
 
 class RMSNorm(torch.nn.Module):
@@ -17,10 +26,10 @@ class RMSNorm(torch.nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        dtype = x.dtype
-        xf = x.float()
-        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * xf.to(dtype)
+        if x.dtype == torch.float32 and self.weight.dtype == torch.float32:
+            # One fused op instead of seven; same arithmetic in float32.
+            return F.rms_norm(x, self.weight.shape, self.weight, self.eps)
+        return rms_norm_reference(x, self.weight, self.eps)
 
     def weight_loader(self, param_name: str, tensor: torch.Tensor, shard: int | None = None) -> None:
         if tuple(tensor.shape) != tuple(self.weight.shape):
@@ -81,7 +90,11 @@ class RotaryEmbedding(torch.nn.Module):
     def forward(self, q: torch.Tensor, k: torch.Tensor, cos_sin: tuple[torch.Tensor, torch.Tensor]):
         """q: [T, Hq, D], k: [T, Hk, D]; returns rotated (q, k) in their dtype."""
         cos, sin = cos_sin
-        return q * cos + _rotate_half(q) * sin, k * cos + _rotate_half(k) * sin
+        # Rotate q and k together: one set of elementwise ops instead of two.
+        hq = q.shape[1]
+        qk = torch.cat((q, k), dim=1)
+        qk = qk * cos + _rotate_half(qk) * sin
+        return qk[:, :hq], qk[:, hq:]
 
 
 def _rotate_half(x: torch.Tensor) -> torch.Tensor:

@@ -71,6 +71,9 @@ def build_worker(config: EngineConfig) -> WorkerInfo:
         arch = replace(arch, quantization_config={"quant_method": "gguf_q4"})
     max_len = mc.max_model_len or arch.max_position_embeddings
     model = _load_model(ckpt, arch, dtype, device, max_len, mc.seed, dequantize_q4=keep_q4 and not packed)
+    if packed:
+        # The int4 linears already take bf16 activations; the LM head follows in int8.
+        model.use_int8_lm_head()
     backend = get_attention_backend(device, dtype)
     num_blocks = _num_blocks(config, arch, dtype, device)
     shape = (2, num_blocks, cc.block_size, arch.num_kv_heads, arch.head_dim)
