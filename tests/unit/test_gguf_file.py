@@ -24,7 +24,7 @@ def test_matches_gguf_reader(default_gguf):
             assert got == expected, key
     assert [t.name for t in ours.tensors] == [t.name for t in ref.tensors]
     for a, b in zip(ref.tensors, ours.tensors):
-        assert tuple(a.shape) == b.shape and a.tensor_type == b.tensor_type, a.name
+        assert tuple(a.shape) == tuple(b.shape) and a.tensor_type == b.tensor_type, a.name
         assert np.array_equal(np.asarray(a.data), b.data), a.name
 
 

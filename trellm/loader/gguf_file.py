@@ -35,8 +35,8 @@ class GGUFFormatError(ValueError):
 @dataclass(frozen=True)
 class GGUFTensor:
     name: str
-    shape: tuple[int, ...]
-    """ggml order (fastest-varying first), as GGUFReader reports it."""
+    shape: np.ndarray
+    """ggml order (fastest-varying first), a numpy array as GGUFReader reports it."""
     tensor_type: GGMLQuantizationType
     data: np.ndarray
     """Row-major view: plain types as their numpy dtype with shape reversed; quantized
@@ -134,4 +134,28 @@ def _tensor(mm: np.ndarray, start: int, name: str, dims: tuple[int, ...], tcode:
         data = raw.view(np.uint16).reshape(rows)
     else:
         data = raw.reshape(rows[:-1] + (dims[0] // block * type_size,))
-    return GGUFTensor(name, dims, ttype, data)
+    return GGUFTensor(name, np.array(dims, dtype=np.uint64), ttype, data)
+
+
+class _Field:
+    """The one method of ``gguf.ReaderField`` our loaders use."""
+
+    __slots__ = ("_value",)
+
+    def __init__(self, value: Any):
+        self._value = value
+
+    def contents(self) -> Any:
+        return self._value
+
+
+class GGUFReaderView:
+    """A ``gguf.GGUFReader``-shaped view (``fields[k].contents()``, ``tensors``, ``path``)
+    over ``read_gguf``, so code written against the gguf package's reader works unchanged."""
+
+    def __init__(self, path: str | Path):
+        f = read_gguf(path)
+        self.path = str(path)
+        self.version = f.version
+        self.fields = {k: _Field(v) for k, v in f.fields.items()}
+        self.tensors = f.tensors

@@ -53,9 +53,11 @@ def load_gguf(path: Path, keep_q4: bool = False) -> Checkpoint:
 
     from trellm.tokenizer.tokenizer import Tokenizer
 
+    from trellm.loader.gguf_file import GGUFReaderView
+
     try:
-        reader = gguf.GGUFReader(str(path))
-    except Exception as e:  # the reader raises ValueError/IndexError/struct errors on damage
+        reader = GGUFReaderView(path)
+    except Exception as e:  # damaged files raise ValueError/IndexError/struct errors
         raise ModelLoadError(f"cannot read GGUF file {path}: {first_line(e)}") from e
     config = gguf_hf_config(reader, source=str(path))
     names = {t.name: hf_tensor_name(t.name) for t in reader.tensors}

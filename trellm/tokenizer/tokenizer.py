@@ -206,10 +206,12 @@ class _Meta:
 def _open_reader(reader_or_path: Any) -> Any:
     import gguf
 
-    if isinstance(reader_or_path, gguf.GGUFReader):
+    from trellm.loader.gguf_file import GGUFReaderView
+
+    if isinstance(reader_or_path, (gguf.GGUFReader, GGUFReaderView)):
         return reader_or_path
     try:
-        return gguf.GGUFReader(str(reader_or_path))
+        return GGUFReaderView(reader_or_path)
     except (OSError, ValueError) as e:
         raise ModelLoadError(f"cannot read GGUF file {reader_or_path}: {first_line(e)}") from e
 
