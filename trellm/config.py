@@ -84,6 +84,10 @@ class EngineConfig:
             raise ValueError("--block-size must be a power of two")
         if not 0.0 < c.gpu_memory_utilization <= 1.0:
             raise ValueError("--gpu-memory-utilization must be in (0, 1]")
+        if self.model.max_model_len is not None and self.model.max_model_len < 2:
+            raise ValueError("--max-model-len must be >= 2")
+        if c.num_gpu_blocks_override is not None and c.num_gpu_blocks_override < 1:
+            raise ValueError("the KV block count override must be >= 1")
         if c.kv_cache_memory is not None and c.kv_cache_memory <= 0:
             raise ValueError("--kv-cache-memory must be positive")
         if self.model.dtype not in ("auto", "float32", "bfloat16", "float16"):

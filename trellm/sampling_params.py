@@ -32,6 +32,14 @@ def _int(name: str, value: int | None, lo: int, allow_none: bool = False) -> Non
         raise ValueError(f"{name} must be >= {lo}, got {value}")
 
 
+def _as_tuple(name: str, value) -> tuple:
+    if value is None:
+        return ()
+    if isinstance(value, (str, bytes, dict)) or not hasattr(value, "__iter__"):
+        raise ValueError(f"{name} must be a list, got {type(value).__name__}")
+    return tuple(value)
+
+
 @dataclass(frozen=True)
 class SamplingParams:
     """How to pick tokens for one request. Defaults follow vLLM."""
@@ -78,11 +86,9 @@ class SamplingParams:
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
             object.__setattr__(self, "stop", (self.stop,))
-        elif self.stop is None:
-            object.__setattr__(self, "stop", ())
         else:
-            object.__setattr__(self, "stop", tuple(self.stop))
-        object.__setattr__(self, "stop_token_ids", tuple(self.stop_token_ids or ()))
+            object.__setattr__(self, "stop", _as_tuple("stop", self.stop))
+        object.__setattr__(self, "stop_token_ids", _as_tuple("stop_token_ids", self.stop_token_ids))
         if self.top_k == -1:
             object.__setattr__(self, "top_k", 0)
         self._validate()

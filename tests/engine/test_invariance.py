@@ -96,8 +96,13 @@ def test_preemption_equals_none(default_gguf, baseline):
 
 def test_n4_greedy_samples_identical(baseline):
     llm, expected = baseline
-    out = llm.generate(PROMPTS[0], GREEDY.with_(n=4))[0]
+    hits_before = llm.engine.kv.prefix_cache_stats.hits
+    out = llm.generate(PROMPTS[6], GREEDY.with_(n=4))[0]
+    # Siblings 1..3 reuse sibling 0's full prompt blocks (even with prefix caching off).
+    prompt_len = len(out.prompt_token_ids)
+    assert prompt_len >= 16
+    assert llm.engine.kv.prefix_cache_stats.hits - hits_before >= 3 * (prompt_len // 16) * 16
     assert len(out.outputs) == 4
     assert [c.index for c in out.outputs] == [0, 1, 2, 3]
-    assert all(c.token_ids == expected[0] for c in out.outputs)
+    assert all(c.token_ids == expected[6] for c in out.outputs)
     llm.engine.check_invariants()

@@ -88,10 +88,15 @@ def test_chat_api_matches_manual_template(pair):
     assert via_chat == manual and via_chat.strip()
 
 
-def test_prompt_logprobs_match_transformers(pair):
+@pytest.mark.parametrize("chunked", [False, True])
+def test_prompt_logprobs_match_transformers(pair, default_gguf, chunked):
     llm, hf = pair
+    if chunked:  # the prompt spans several steps: each prompt position reported exactly once
+        llm = LLM(default_gguf, dtype="float32", device="cpu", quantization="none",
+                  max_num_batched_tokens=5, kv_cache_memory=64 << 20)
     tok = llm.get_tokenizer()
-    ids = tok.encode(RAW_PROMPTS[2])
+    ids = tok.encode(RAW_PROMPTS[2] + " " + RAW_PROMPTS[0])
+    assert len(ids) > 10
     out = llm.generate({"prompt_token_ids": ids},
                        SamplingParams(temperature=0.0, max_tokens=1, prompt_logprobs=2))[0]
     assert out.prompt_logprobs[0] is None and len(out.prompt_logprobs) == len(ids)

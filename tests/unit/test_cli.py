@@ -40,10 +40,15 @@ def test_unreadable_or_unsupported_file(capsys, tmp_path):
     one_line_error(err)
     cfg = tmp_path / "cfg"
     cfg.mkdir()
-    (cfg / "config.json").write_text('{"architectures": ["MambaForCausalLM"], "vocab_size": 10}')
+    (cfg / "config.json").write_text(
+        '{"architectures": ["MambaForCausalLM"], "vocab_size": 10, "hidden_size": 8, '
+        '"intermediate_size": 16, "num_hidden_layers": 1, "num_attention_heads": 2}')
     code, _, err = run_cli(capsys, "generate", "hi", str(cfg))
     assert code == 1
-    one_line_error(err)
+    assert "no model weights" in one_line_error(err)
+    code, _, err = run_cli(capsys, "generate", "hi", f"dummy:{cfg / 'config.json'}")
+    assert code == 1
+    assert "unsupported architecture" in one_line_error(err)
 
 
 def test_prompt_longer_than_context(capsys, default_gguf):

@@ -43,3 +43,29 @@ def test_rejects_damaged_files(tmp_path, default_gguf):
         header_only.write_bytes(f.read(1000))
     with pytest.raises(GGUFFormatError):
         read_gguf(header_only)
+
+
+def test_bf16_and_f16_tensors_load(tmp_path):
+    """Plain-float GGUF types come out equal to what was written (BF16 goes through
+    gguf's own converter, which needs the raw bytes view)."""
+    import gguf
+    import torch
+
+    from trellm.loader.gguf_loader import _dequantize  # noqa: F401  (the loader's path)
+
+    path = tmp_path / "t.gguf"
+    w = gguf.GGUFWriter(str(path), "llama")
+    a = np.random.default_rng(0).standard_normal((4, 64)).astype(np.float32)
+    bf = torch.from_numpy(a).bfloat16()
+    w.add_tensor("bf", bf.view(torch.int16).numpy().view(np.uint16), raw_shape=(4, 64),
+                 raw_dtype=gguf.GGMLQuantizationType.BF16)
+    w.add_tensor("f16", a.astype(np.float16))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    f = read_gguf(path)
+    t = {x.name: x for x in f.tensors}
+    got = gguf.quants.dequantize(t["bf"].data, t["bf"].tensor_type)
+    assert np.array_equal(got, bf.float().numpy())
+    assert np.array_equal(gguf.quants.dequantize(t["f16"].data, t["f16"].tensor_type), a.astype(np.float16).astype(np.float32))

@@ -78,7 +78,9 @@ class FakeRunner:
         """One entry per prompt position (None for the first), like the real runner."""
         first = st.num_computed
         entries: list[TokenLogprobs | None] = [None] if first == 0 else []
-        for pos in range(max(first, 1), min(end + 1, st.num_prompt)):
+        # Position i's logits predict prompt token i+1: a chunk [first, end) covers
+        # prompt positions first+1 .. end (the first token itself has no prediction).
+        for pos in range(first + 1, min(end + 1, st.num_prompt)):
             entries.append(TokenLogprobs(st.tokens[pos], -float(pos), 1))
         return tuple(entries)
 

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import logging
+import operator
 from typing import Sequence
 
 from trellm.config import EngineConfig
@@ -75,8 +76,11 @@ class Engine:
                                           child_ids=child_ids if n > 1 else None)
         self._children[request_id] = child_ids
         for i, cid in enumerate(child_ids):
+            # Only the first sibling computes prompt log-probs: they are the same for all,
+            # and without them the others can reuse its prompt blocks.
             child_params = params if n == 1 else params.with_(
-                n=1, seed=None if params.seed is None else params.seed + i)
+                n=1, seed=None if params.seed is None else params.seed + i,
+                prompt_logprobs=params.prompt_logprobs if i == 0 else None)
             self.scheduler.add_request(Request(
                 request_id=cid, prompt_token_ids=list(ids), sampling_params=child_params,
                 eos_token_ids=self.eos_token_ids, max_model_len=self.max_model_len,
@@ -90,10 +94,16 @@ class Engine:
                 raise ValueError("this model has no tokenizer: pass prompt_token_ids")
             ids = self.tokenizer.encode(prompt)
         else:
-            ids = list(prompt_token_ids)
-            for t in ids:
-                if isinstance(t, bool) or not isinstance(t, int) or not 0 <= t < self.vocab_size:
-                    raise ValueError(f"prompt token id {t!r} is outside the vocabulary (size {self.vocab_size})")
+            ids = []
+            for t in prompt_token_ids:
+                try:  # numpy and torch integers are fine; floats and bools are not
+                    tid = operator.index(t) if not isinstance(t, bool) else None
+                except TypeError:
+                    tid = None
+                if tid is None or not 0 <= tid < self.vocab_size:
+                    raise ValueError(f"prompt token id {t!r} is not a token of the vocabulary "
+                                     f"(integers 0..{self.vocab_size - 1})")
+                ids.append(tid)
         if not ids:
             raise ValueError("the prompt is empty")
         if len(ids) >= self.max_model_len:

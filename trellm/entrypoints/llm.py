@@ -47,12 +47,19 @@ class LLM:
         params_list = list(params) if isinstance(params, Sequence) else [params] * len(prompts)
         if len(params_list) != len(prompts):
             raise ValueError("sampling_params must be one value or one per prompt")
-        ids = []
-        for prompt, p in zip(prompts, params_list):
-            rid = str(next(self._ids))
-            text, token_ids = _split_prompt(prompt)
-            self.engine.add_request(rid, text, p, prompt_token_ids=token_ids)
-            ids.append(rid)
+        ids: list[str] = []
+        try:
+            for prompt, p in zip(prompts, params_list):
+                rid = str(next(self._ids))
+                text, token_ids = _split_prompt(prompt)
+                self.engine.add_request(rid, text, p, prompt_token_ids=token_ids)
+                ids.append(rid)
+        except Exception:
+            # One bad prompt rejects the call: leave nothing of it queued in the engine.
+            self.engine.abort_request(ids)
+            while self.engine.has_unfinished_requests():
+                self.engine.step()
+            raise
         return self._run(ids, use_tqdm)
 
     def chat(self, messages: list[dict] | list[list[dict]],

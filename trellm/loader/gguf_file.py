@@ -130,9 +130,7 @@ def _tensor(mm: np.ndarray, start: int, name: str, dims: tuple[int, ...], tcode:
     rows = tuple(reversed(dims))
     if ttype in _PLAIN_DTYPES:
         data = raw.view(_PLAIN_DTYPES[ttype]).reshape(rows)
-    elif ttype == GGMLQuantizationType.BF16:
-        data = raw.view(np.uint16).reshape(rows)
-    else:
+    else:  # quantized and BF16: raw bytes per row, as gguf.quants.dequantize expects
         data = raw.reshape(rows[:-1] + (dims[0] // block * type_size,))
     return GGUFTensor(name, np.array(dims, dtype=np.uint64), ttype, data)
 

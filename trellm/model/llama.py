@@ -137,7 +137,11 @@ class LlamaForCausalLM(torch.nn.Module):
             if hasattr(module, "weight_loader"):
                 module.weight_loader(pname, tensor, shard)
             else:
-                getattr(module, pname).data.copy_(tensor.to(getattr(module, pname).dtype))
+                param = getattr(module, pname)
+                if tuple(param.shape) != tuple(tensor.shape):
+                    raise ValueError(f"shape mismatch for {name}: checkpoint {tuple(tensor.shape)}, "
+                                     f"model {tuple(param.shape)}")
+                param.data.copy_(tensor.to(param.dtype))
             loaded.add(f"{key}#{shard}")
         self._check_all_loaded(loaded)
         for m in self.modules():

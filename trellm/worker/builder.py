@@ -77,7 +77,12 @@ def build_worker(config: EngineConfig) -> WorkerInfo:
     backend = get_attention_backend(device, dtype)
     num_blocks = _num_blocks(config, arch, dtype, device)
     shape = (2, num_blocks, cc.block_size, arch.num_kv_heads, arch.head_dim)
-    kv_caches = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(arch.num_layers)]
+    try:
+        kv_caches = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(arch.num_layers)]
+    except (RuntimeError, MemoryError) as e:  # torch raises RuntimeError (or OutOfMemoryError) when it cannot
+        raise ModelLoadError(f"cannot allocate the KV cache ({num_blocks} blocks of "
+                             f"{_bytes_per_block(config, arch, dtype) / 2**20:.2f} MiB): "
+                             f"{str(e).splitlines()[0]}; lower --kv-cache-memory") from None
     eos = frozenset(arch.eos_token_ids) | (ckpt.tokenizer.eos_token_ids if ckpt.tokenizer else frozenset())
     runner = ModelRunner(model, backend, kv_caches, cc.block_size, eos, device)
     # A request must fit in the pool on its own, or it could never be scheduled.
