@@ -5,7 +5,7 @@ Nothing mutates a config after construction: derived values come from
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 
 
 @dataclass(frozen=True)
@@ -68,9 +68,6 @@ class EngineConfig:
     model: ModelConfig = field(default_factory=ModelConfig)
     cache: CacheConfig = field(default_factory=CacheConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
-
-    def with_model_len(self, max_model_len: int) -> "EngineConfig":
-        return replace(self, model=replace(self.model, max_model_len=max_model_len))
 
     def validate(self) -> None:
         s, c = self.scheduler, self.cache

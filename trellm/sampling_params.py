@@ -146,10 +146,6 @@ class SamplingParams:
             if v is not None and v > MAX_LOGPROBS:
                 raise ValueError(f"{name} must be <= {MAX_LOGPROBS}, got {v}")
 
-    @property
-    def greedy(self) -> bool:
-        return self.temperature == 0.0
-
     def with_(self, **changes) -> "SamplingParams":
         """A copy with some fields changed (configs and params are never mutated)."""
         return replace(self, **changes)

@@ -26,8 +26,7 @@ class Engine:
         self.tokenizer = self.worker.checkpoint.tokenizer
         self.max_model_len = self.worker.max_model_len
         self.vocab_size = self.worker.arch.vocab_size
-        self.eos_token_ids = frozenset(self.worker.arch.eos_token_ids) | (
-            self.tokenizer.eos_token_ids if self.tokenizer else frozenset())
+        self.eos_token_ids = self.worker.runner.eos_token_ids
         salt = f"{config.model.model}|{self.worker.dtype}".encode()
         self.kv = KVCacheManager(self.worker.num_blocks, self.worker.block_size,
                                  config.cache.enable_prefix_caching, hash_salt=salt)

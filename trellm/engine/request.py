@@ -8,6 +8,16 @@ from dataclasses import dataclass, field
 from trellm.sampling_params import SamplingParams
 
 
+def token_slice(prompt: list[int], output: list[int], start: int, end: int) -> list[int]:
+    """Token ids in [start, end) over prompt + output without concatenating the two."""
+    p = len(prompt)
+    if end <= p:
+        return prompt[start:end]
+    if start >= p:
+        return output[start - p : end - p]
+    return prompt[start:] + output[: end - p]
+
+
 class RequestStatus(enum.Enum):
     WAITING = "waiting"
     RUNNING = "running"
@@ -69,18 +79,8 @@ class Request:
     def num_tokens(self) -> int:
         return len(self.prompt_token_ids) + len(self.output_token_ids)
 
-    @property
-    def all_token_ids(self) -> list[int]:
-        return self.prompt_token_ids + self.output_token_ids
-
     def token_slice(self, start: int, end: int) -> list[int]:
-        """Token ids in [start, end) over prompt + output without copying both."""
-        p = len(self.prompt_token_ids)
-        if end <= p:
-            return self.prompt_token_ids[start:end]
-        if start >= p:
-            return self.output_token_ids[start - p : end - p]
-        return self.prompt_token_ids[start:] + self.output_token_ids[: end - p]
+        return token_slice(self.prompt_token_ids, self.output_token_ids, start, end)
 
     @property
     def is_finished(self) -> bool:

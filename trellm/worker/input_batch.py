@@ -6,6 +6,7 @@ from dataclasses import dataclass, field
 import torch
 
 from trellm.attention.torch_paged import AttentionMetadata, DecodeGroup, PrefillSeq, decode_mask
+from trellm.engine.request import token_slice
 from trellm.engine.types import StepPlan
 from trellm.sampling_params import SamplingParams
 
@@ -25,12 +26,7 @@ class CachedRequestState:
         return len(self.prompt_token_ids) + len(self.output_token_ids)
 
     def token_slice(self, start: int, end: int) -> list[int]:
-        p = len(self.prompt_token_ids)
-        if end <= p:
-            return self.prompt_token_ids[start:end]
-        if start >= p:
-            return self.output_token_ids[start - p:end - p]
-        return self.prompt_token_ids[start:] + self.output_token_ids[:end - p]
+        return token_slice(self.prompt_token_ids, self.output_token_ids, start, end)
 
 
 @dataclass
