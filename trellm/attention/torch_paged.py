@@ -24,7 +24,11 @@ class DecodeGroup:
     """[B] context length including the new token."""
     max_seq_len: int
     attn_mask: torch.Tensor | None = None
-    """[B, 1, 1, max_seq_len] True where a key is inside the sequence; built once per step."""
+    """[B, 1, 1, max_seq_len] True where a key is inside the sequence; built once per step.
+    None when every sequence has max_seq_len tokens (no padding to mask)."""
+    contiguous_start: int | None = None
+    """First block id when there is one sequence and its blocks are consecutive ids:
+    its K/V is then a view of the pool, with no gather (the common single-stream case)."""
 
 
 @dataclass
@@ -60,13 +64,11 @@ class TorchPagedAttention:
         """q: [T, Hq, D]; k, v: [T, Hk, D]; returns [T, Hq, D]."""
         write_kv(kv_cache, k, v, meta.slot_mapping)
         if meta.decode is not None and not meta.prefills:
-            d = meta.decode  # decode-only step: rows are already in order
-            return paged_decode_reference(q, kv_cache, d.block_table, d.seq_lens, d.max_seq_len, scale, d.attn_mask)
+            return _decode(q, kv_cache, meta.decode, scale)  # decode-only step: rows already in order
         out = torch.empty_like(q)
         if meta.decode is not None:
             d = meta.decode
-            out[d.token_index] = paged_decode_reference(q[d.token_index], kv_cache, d.block_table,
-                                                        d.seq_lens, d.max_seq_len, scale, d.attn_mask)
+            out[d.token_index] = _decode(q[d.token_index], kv_cache, d, scale)
         for p in meta.prefills:
             sl = slice(p.q_start, p.q_start + p.q_len)
             out[sl] = prefill_reference(q[sl], k[sl], v[sl], kv_cache, p, scale)
@@ -79,6 +81,18 @@ def write_kv(kv_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slots: to
     kv_cache[1].view(nb * bs, hk, d).index_copy_(0, slots, v.to(kv_cache.dtype))
 
 
+def _decode(q: torch.Tensor, kv_cache: torch.Tensor, d: DecodeGroup, scale: float) -> torch.Tensor:
+    if d.contiguous_start is None:
+        return paged_decode_reference(q, kv_cache, d.block_table, d.seq_lens, d.max_seq_len, scale,
+                                      d.attn_mask, masked=d.attn_mask is not None)
+    # One sequence on consecutive blocks: attend over a view of the pool (no copy, no mask).
+    bs, hk, dim = kv_cache.shape[2], kv_cache.shape[3], kv_cache.shape[4]
+    nblk = (d.max_seq_len + bs - 1) // bs
+    kv = kv_cache[:, d.contiguous_start:d.contiguous_start + nblk].reshape(2, 1, nblk * bs, hk, dim)
+    kv = kv[:, :, :d.max_seq_len].transpose(2, 3)
+    return _sdpa_decode(q, kv[0], kv[1], None, scale)
+
+
 def decode_mask(seq_lens: torch.Tensor, max_seq_len: int) -> torch.Tensor:
     mask = torch.arange(max_seq_len, device=seq_lens.device)[None, :] < seq_lens[:, None]
     return mask[:, None, None, :]
@@ -86,23 +100,29 @@ def decode_mask(seq_lens: torch.Tensor, max_seq_len: int) -> torch.Tensor:
 
 def paged_decode_reference(q: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.Tensor,
                            seq_lens: torch.Tensor, max_seq_len: int, scale: float,
-                           mask: torch.Tensor | None = None) -> torch.Tensor:
-    """One query token per sequence over its paged context. q: [B, Hq, D]."""
-    bsz, hq, d = q.shape
+                           mask: torch.Tensor | None = None, masked: bool = True) -> torch.Tensor:
+    """One query token per sequence over its paged context. q: [B, Hq, D].
+    ``masked=False`` promises every sequence is max_seq_len long (nothing to mask)."""
+    bsz, _, d = q.shape
     bs, hk = kv_cache.shape[2], kv_cache.shape[3]
     nblk = (max_seq_len + bs - 1) // bs
     table = block_table[:, :nblk].reshape(-1)
     # One gather for K and V (index_select beats advanced indexing on the CPU):
     # [2, B*nblk, bs, Hk, D] -> [2, B, Hk, L, D]
     kv = kv_cache.index_select(1, table).reshape(2, bsz, nblk * bs, hk, d)[:, :, :max_seq_len].transpose(2, 3)
-    keys, vals = kv[0], kv[1]
-    if mask is None:
+    if mask is None and masked:
         mask = decode_mask(seq_lens, max_seq_len)
+    return _sdpa_decode(q, kv[0], kv[1], mask, scale)
+
+
+def _sdpa_decode(q: torch.Tensor, keys: torch.Tensor, vals: torch.Tensor, mask: torch.Tensor | None,
+                 scale: float) -> torch.Tensor:
+    """q: [B, Hq, D]; keys, vals: [B, Hk, L, D]."""
     # CPU SDPA is slow in bf16/fp16 (no native units here): attend in float32 there.
     cdt = torch.float32 if q.device.type == "cpu" else q.dtype
     out = F.scaled_dot_product_attention(
         q.unsqueeze(2).to(cdt), keys.to(cdt), vals.to(cdt), attn_mask=mask,
-        scale=scale, enable_gqa=hq != hk)
+        scale=scale, enable_gqa=q.shape[1] != keys.shape[1])
     return out.squeeze(2).to(q.dtype)
 
 

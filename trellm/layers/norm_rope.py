@@ -78,25 +78,31 @@ class RotaryEmbedding(torch.nn.Module):
         if self._cache is None or self._cache[0].device != device:
             t = torch.arange(self.max_positions, dtype=torch.float32, device=device)
             freqs = torch.outer(t, self.inv_freq.to(device))
-            emb = torch.cat((freqs, freqs), dim=-1)
-            self._cache = (emb.cos(), emb.sin())
+            # sin with the first half negated: rotate_half(x) * sin == roll(x, D/2) * this,
+            # exactly (a sign flip commutes with rounding), in one op instead of four.
+            self._cache = (torch.cat((freqs, freqs), dim=-1).cos(), torch.cat((-freqs.sin(), freqs.sin()), dim=-1))
         return self._cache
 
     def cos_sin(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-        """[T, 1, D] cos and sin for these positions; computed once per forward, shared by all layers."""
+        """[T, 1, D] cos and signed sin for these positions; computed once per forward, shared by all layers."""
         cos_all, sin_all = self._cos_sin(positions.device)
         return cos_all[positions].unsqueeze(1).to(dtype), sin_all[positions].unsqueeze(1).to(dtype)
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, cos_sin: tuple[torch.Tensor, torch.Tensor]):
-        """q: [T, Hq, D], k: [T, Hk, D]; returns rotated (q, k) in their dtype."""
-        cos, sin = cos_sin
+        """q: [T, Hq, D], k: [T, Hk, D]; returns rotated (q, k) (dtype: promoted with the tables')."""
+        cos, signed_sin = cos_sin
         # Rotate q and k together: one set of elementwise ops instead of two.
         hq = q.shape[1]
-        qk = torch.cat((q, k), dim=1)
-        qk = qk * cos + _rotate_half(qk) * sin
+        qk = torch.cat((q, k), dim=1).to(cos.dtype)  # one cast, not one per product
+        qk = qk * cos + qk.roll(self.head_dim // 2, dims=-1) * signed_sin
         return qk[:, :hq], qk[:, hq:]
 
 
-def _rotate_half(x: torch.Tensor) -> torch.Tensor:
+def rope_reference(x: torch.Tensor, positions: torch.Tensor, inv_freq: torch.Tensor) -> torch.Tensor:
+    """transformers' rotate-half RoPE on x [T, H, D] (float32 tables): the test oracle."""
+    freqs = torch.outer(positions.float(), inv_freq)
+    emb = torch.cat((freqs, freqs), dim=-1)
+    cos, sin = emb.cos()[:, None, :], emb.sin()[:, None, :]
     half = x.shape[-1] // 2
-    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+    rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+    return x * cos + rotated * sin

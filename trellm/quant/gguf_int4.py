@@ -184,13 +184,27 @@ class GGUFQ4LinearMethod(LinearMethod):
             return y if layer.bias is None else y + layer.bias
         x2 = x2.to(torch.bfloat16).contiguous()
         y = torch._weight_int4pack_mm_for_cpu(x2, layer.q4_packed, GROUP, layer.q4_scales_and_zeros)
-        y = y.to(x.dtype).reshape(*x.shape[:-1], y.shape[-1])
+        # Left in the kernel's bf16: the consumers (residual add, RoPE with float32
+        # tables, attention, the next int4 matmul) promote or cast anyway, so a cast
+        # back here would be a wasted op per linear.
+        y = y.reshape(*x.shape[:-1], y.shape[-1])
         return y if layer.bias is None else y + layer.bias
+
+
+def cache_dense_weight(layer) -> int:
+    """Keep the layer's float32 prefill weight resident (see ``ModelConfig.
+    prefill_weight_cache_memory``); returns its size in bytes."""
+    layer.q4_dense_cache = None
+    layer.q4_dense_cache = dense_weight(layer)
+    return layer.q4_dense_cache.numel() * 4
 
 
 def dense_weight(layer) -> torch.Tensor:
     """Float32 [N, K] from the layer's nibble copy: ``q * scale + (zero - 8 * scale)``,
     the kernel's formula with its bf16-rounded scale and zero."""
+    cached = getattr(layer, "q4_dense_cache", None)
+    if cached is not None:
+        return cached
     p = layer.q4_nibbles
     n, groups = p.shape[0], layer.q4_dense_scale.shape[1]
     q = torch.cat((p & 15, p >> 4), dim=1).view(n, groups, GROUP).float()

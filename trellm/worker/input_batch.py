@@ -105,6 +105,14 @@ def _add_prompt_span(st: CachedRequestState, start: int, end: int, q_start: int,
         target_ids=st.prompt_token_ids[start + 1:last + 1], first_chunk=start == 0))
 
 
+def _contiguous_start(tables: list[list[int]], seq_len: int, block_size: int) -> int | None:
+    if len(tables) != 1:
+        return None
+    blocks = tables[0][: (seq_len + block_size - 1) // block_size]
+    first = blocks[0]
+    return first if blocks == list(range(first, first + len(blocks))) else None
+
+
 def _metadata(slots, dec_rows, dec_tables, dec_lens, prefills, block_size, device) -> AttentionMetadata:
     decode = None
     if dec_rows:
@@ -113,12 +121,14 @@ def _metadata(slots, dec_rows, dec_tables, dec_lens, prefills, block_size, devic
         for i, t in enumerate(dec_tables):
             table[i, : len(t)] = torch.tensor(t, dtype=torch.long)
         seq_lens = torch.tensor(dec_lens, dtype=torch.long, device=device)
+        padded = min(dec_lens) != max(dec_lens)
         decode = DecodeGroup(
             token_index=torch.tensor(dec_rows, dtype=torch.long, device=device),
             block_table=table.to(device),
             seq_lens=seq_lens,
             max_seq_len=max(dec_lens),
-            attn_mask=decode_mask(seq_lens, max(dec_lens)),
+            attn_mask=decode_mask(seq_lens, max(dec_lens)) if padded else None,
+            contiguous_start=_contiguous_start(dec_tables, dec_lens[0], block_size),
         )
     prefill_seqs = [
         PrefillSeq(q_start=qs, q_len=n, seq_len=end,

@@ -1,0 +1,52 @@
+"""The CPU fast paths of the layers against their references."""
+import pytest
+import torch
+
+from trellm.attention.torch_paged import (AttentionMetadata, DecodeGroup, TorchPagedAttention,
+                                          decode_mask, paged_decode_reference)
+from trellm.layers.norm_rope import RotaryEmbedding, rope_reference
+
+
+@pytest.mark.parametrize("scaling", [None, {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
+                                            "high_freq_factor": 4.0, "original_max_position_embeddings": 64}])
+def test_rope_roll_equals_rotate_half(scaling):
+    torch.manual_seed(0)
+    rope = RotaryEmbedding(64, 10000.0, scaling, max_positions=512)
+    pos = torch.tensor([0, 1, 7, 200, 511])
+    q, k = torch.randn(5, 9, 64), torch.randn(5, 3, 64)
+    rq, rk = rope(q, k, rope.cos_sin(pos, torch.float32))
+    # Same arithmetic up to a sign moved between factors: bit-identical.
+    assert torch.equal(rq, rope_reference(q, pos, rope.inv_freq))
+    assert torch.equal(rk, rope_reference(k, pos, rope.inv_freq))
+
+
+def _pool(num_blocks=12, bs=4, hk=2, d=8):
+    torch.manual_seed(1)
+    return torch.randn(2, num_blocks, bs, hk, d)
+
+
+@pytest.mark.parametrize("seq_len", [1, 4, 9])
+def test_contiguous_decode_view_equals_gather(seq_len):
+    kv, bs = _pool(), 4
+    blocks = [3, 4, 5]
+    q = torch.randn(1, 6, 8)
+    table = torch.tensor([blocks])
+    seq_lens = torch.tensor([seq_len])
+    want = paged_decode_reference(q, kv, table, seq_lens, seq_len, 0.3)
+    group = DecodeGroup(token_index=torch.tensor([0]), block_table=table, seq_lens=seq_lens,
+                        max_seq_len=seq_len, attn_mask=None, contiguous_start=3)
+    meta = AttentionMetadata(slot_mapping=torch.tensor([3 * bs + seq_len - 1]), decode=group,
+                             prefills=[], block_size=bs)
+    k_new, v_new = kv[0, 3 + (seq_len - 1) // bs, (seq_len - 1) % bs][None], kv[1, 3 + (seq_len - 1) // bs, (seq_len - 1) % bs][None]
+    got = TorchPagedAttention().forward(q, k_new.clone(), v_new.clone(), kv, meta, 0.3)
+    torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-6)
+
+
+def test_unmasked_equal_length_decode_equals_masked():
+    kv = _pool()
+    q = torch.randn(2, 6, 8)
+    table = torch.tensor([[0, 7, 2], [5, 1, 9]])
+    lens = torch.tensor([10, 10])
+    masked = paged_decode_reference(q, kv, table, lens, 10, 0.3, decode_mask(lens, 10))
+    unmasked = paged_decode_reference(q, kv, table, lens, 10, 0.3, None, masked=False)
+    torch.testing.assert_close(unmasked, masked, rtol=1e-6, atol=1e-6)
