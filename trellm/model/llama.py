@@ -81,7 +81,9 @@ class LlamaForCausalLM(torch.nn.Module):
     def __init__(self, cfg: ArchConfig, dtype: torch.dtype, max_positions: int):
         super().__init__()
         self.cfg = cfg
-        self.embed_tokens = torch.nn.Embedding(cfg.vocab_size, cfg.hidden_size, dtype=dtype)
+        # _weight: skip the random init of a table the loader overwrites anyway.
+        self.embed_tokens = torch.nn.Embedding(cfg.vocab_size, cfg.hidden_size,
+                                               _weight=torch.empty(cfg.vocab_size, cfg.hidden_size, dtype=dtype))
         self.embed_tokens.weight.requires_grad_(False)
         rope = RotaryEmbedding(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling,
                                max(max_positions, cfg.max_position_embeddings))

@@ -131,11 +131,12 @@ class GGUFQ4LinearMethod(LinearMethod):
             raise ValueError(f"gguf_q4 needs in_features divisible by {GROUP}, got {in_features}")
         groups = in_features // GROUP
         layer.q4_dtype = dtype
-        layer.weight = torch.nn.Parameter(torch.zeros(out_features, in_features, dtype=torch.uint8),
+        # Uninitialized: the model's loader fails unless every row is written.
+        layer.weight = torch.nn.Parameter(torch.empty(out_features, in_features, dtype=torch.uint8),
                                           requires_grad=False)
         # Buffers, not parameters: the model's loader must only see `weight` (and bias).
-        layer.register_buffer("q4_scale", torch.zeros(out_features, groups), persistent=False)
-        layer.register_buffer("q4_zero", torch.zeros(out_features, groups), persistent=False)
+        layer.register_buffer("q4_scale", torch.empty(out_features, groups), persistent=False)
+        layer.register_buffer("q4_zero", torch.empty(out_features, groups), persistent=False)
         layer.bias = (torch.nn.Parameter(torch.empty(out_features, dtype=dtype), requires_grad=False)
                       if bias else None)
 
