@@ -29,6 +29,10 @@ class ModelConfig:
     quantization: str = "auto"
     """'auto': on CPU keep GGUF Q4_0/Q4_1 linear weights packed (int4 matmul, bf16
     activations); 'none': dequantize everything to --dtype."""
+    prefill_weight_cache_memory: int = 1 << 30
+    """CPU int4 path: keep float32 copies of the packed linear weights for prefill
+    chunks (which run an fp32 GEMM) when they fit in this many bytes, instead of
+    dequantizing them every prefill step; 0 = never."""
 
 
 @dataclass(frozen=True)
@@ -93,3 +97,53 @@ class EngineConfig:
             raise ValueError(f"unsupported --device {self.model.device!r}")
         if self.model.quantization not in ("auto", "none"):
             raise ValueError(f"unsupported --quantization {self.model.quantization!r}")
+
+
+@dataclass(frozen=True)
+class ServerConfig:
+    """The OpenAI-compatible HTTP server (``trellm serve``). The engine never reads it."""
+
+    host: str = "127.0.0.1"
+    """Interface to bind; loopback unless the operator opts in to exposure."""
+    port: int = 8000
+    served_model_names: tuple[str, ...] = ()
+    """Names clients may put in ``model``; the first is reported. () = derived from the model path."""
+    api_key: str | None = None
+    """Bearer key every route but /health requires; None = no auth."""
+    max_queued_requests: int = 256
+    """Sequences that may wait for a free seat; beyond it new requests get 503 + Retry-After."""
+    max_n: int = 8
+    """Most completions per request (``n``)."""
+    max_logprobs: int = 20
+    """Most alternatives per position (``logprobs`` / ``top_logprobs``)."""
+    max_request_body_bytes: int = 2 << 20
+    """Largest request body accepted; larger ones get 413 before being read."""
+    request_body_timeout_s: float = 30.0
+    """Deadline for receiving a whole request body (slow senders get 408)."""
+    shutdown_timeout_s: float = 30.0
+    """On SIGTERM, how long in-flight requests may finish before they are ended with an error."""
+    engine_step_timeout_s: float = 0.0
+    """Watchdog: an engine step running longer than this kills the engine; 0 = off."""
+    allowed_origins: tuple[str, ...] = ()
+    """CORS origins allowed to call the API from a browser; () = no CORS headers."""
+    retry_after_s: int = 1
+    """Value of the Retry-After header on 503 answers."""
+
+    def validate(self) -> None:
+        if not 0 <= self.port <= 65535:
+            raise ValueError("--port must be in [0, 65535]")
+        if self.max_queued_requests < 0:
+            raise ValueError("--max-queued-requests must be >= 0")
+        if not 1 <= self.max_n <= 64:
+            raise ValueError("--max-n must be in [1, 64]")
+        if not 0 <= self.max_logprobs <= 20:
+            raise ValueError("--max-logprobs must be in [0, 20]")
+        if self.max_request_body_bytes < 1024:
+            raise ValueError("--max-request-body-bytes must be >= 1024")
+        if self.request_body_timeout_s <= 0 or self.shutdown_timeout_s < 0 or self.engine_step_timeout_s < 0:
+            raise ValueError("timeouts must be positive (engine step timeout and shutdown timeout may be 0)")
+        if self.api_key is not None and not self.api_key:
+            raise ValueError("--api-key must not be empty")
+        for name in self.served_model_names:
+            if not name or len(name) > 256:
+                raise ValueError("--served-model-name values must be 1..256 characters")

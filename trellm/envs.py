@@ -27,3 +27,9 @@ def api_key() -> str | None:
 def log_level() -> str:
     """Logging level name (``TRELLM_LOG_LEVEL``), upper-cased, default INFO."""
     return (os.environ.get("TRELLM_LOG_LEVEL") or DEFAULT_LOG_LEVEL).strip().upper()
+
+
+def triton_interpret() -> bool:
+    """Whether Triton kernels run in Triton's CPU interpreter (``TRITON_INTERPRET=1``):
+    lets the kernel tests run without a GPU. Triton itself reads the same variable."""
+    return os.environ.get("TRITON_INTERPRET", "").strip() not in ("", "0")

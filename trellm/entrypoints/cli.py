@@ -1,4 +1,4 @@
-"""The ``trellm`` command: generate, chat, bench (serve lands with the server issue).
+"""The ``trellm`` command: generate, chat, serve, bench.
 
 Every user error ends as one line on stderr ("trellm: error: ...") and exit code 1,
 never a traceback.
@@ -31,6 +31,8 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--gpu-memory-utilization", type=float, default=0.9)
     p.add_argument("--seed", type=int, default=0, help="seed for dummy weights")
     p.add_argument("--load-workers", type=int, default=4)
+    p.add_argument("--prefill-weight-cache-memory", type=int, default=1 << 30,
+                   help="CPU int4 path: bytes of float32 weight copies kept for prefill (0: none)")
 
 
 def engine_kwargs(a: argparse.Namespace) -> dict:
@@ -39,7 +41,8 @@ def engine_kwargs(a: argparse.Namespace) -> dict:
                 long_prefill_token_threshold=a.long_prefill_token_threshold,
                 enable_prefix_caching=a.enable_prefix_caching, block_size=a.block_size,
                 kv_cache_memory=a.kv_cache_memory, gpu_memory_utilization=a.gpu_memory_utilization,
-                seed=a.seed, load_workers=a.load_workers)
+                seed=a.seed, load_workers=a.load_workers,
+                prefill_weight_cache_memory=a.prefill_weight_cache_memory)
 
 
 def add_sampling_args(p: argparse.ArgumentParser) -> None:
@@ -61,6 +64,52 @@ def sampling_params(a: argparse.Namespace):
                           repetition_penalty=a.repetition_penalty, stop=tuple(a.stop))
 
 
+def add_server_args(p: argparse.ArgumentParser) -> None:
+    """Server flags, named as ``vllm serve`` names them where the meaning is the same."""
+    from trellm.config import ServerConfig
+
+    d = ServerConfig()
+    p.add_argument("--host", default=d.host, help="interface to bind (default: loopback only)")
+    p.add_argument("--port", type=int, default=d.port)
+    p.add_argument("--served-model-name", nargs="+", default=None,
+                   help="name(s) clients use in 'model' (default: the model argument)")
+    p.add_argument("--api-key", default=None,
+                   help="require 'Authorization: Bearer KEY' on every route but /health "
+                        "(default: $TRELLM_API_KEY; unset = no auth)")
+    p.add_argument("--max-queued-requests", type=int, default=d.max_queued_requests,
+                   help="sequences allowed to wait for a seat; beyond it requests get 503 + Retry-After")
+    p.add_argument("--max-n", type=int, default=d.max_n, help="largest n per request")
+    p.add_argument("--max-logprobs", type=int, default=d.max_logprobs)
+    p.add_argument("--max-request-body-bytes", type=int, default=d.max_request_body_bytes)
+    p.add_argument("--shutdown-timeout", type=float, default=d.shutdown_timeout_s,
+                   help="seconds in-flight requests may finish after SIGTERM")
+    p.add_argument("--engine-step-timeout", type=float, default=d.engine_step_timeout_s,
+                   help="watchdog: a step longer than this kills the engine (0 = off)")
+    p.add_argument("--allowed-origins", nargs="*", default=[], help="CORS origins (default: none)")
+
+
+def server_config(a: argparse.Namespace):
+    from trellm import envs
+    from trellm.config import ServerConfig
+
+    return ServerConfig(host=a.host, port=a.port, served_model_names=tuple(a.served_model_name or ()),
+                        api_key=a.api_key if a.api_key is not None else envs.api_key(),
+                        max_queued_requests=a.max_queued_requests, max_n=a.max_n,
+                        max_logprobs=a.max_logprobs, max_request_body_bytes=a.max_request_body_bytes,
+                        shutdown_timeout_s=a.shutdown_timeout, engine_step_timeout_s=a.engine_step_timeout,
+                        allowed_origins=tuple(a.allowed_origins))
+
+
+def run_serve(args: argparse.Namespace) -> int:
+    from trellm.entrypoints.llm import engine_config_from_kwargs
+    from trellm.server.api_server import default_model_names, run_server
+
+    config = server_config(args)
+    config.validate()  # bad flags fail before the model loads
+    engine_config = engine_config_from_kwargs(args.model, **engine_kwargs(args))
+    return run_server(engine_config, config, default_model_names(args.model))
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="trellm", description="LLM inference engine")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -75,6 +124,10 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("--system", default=None, help="system prompt")
     add_engine_args(c)
     add_sampling_args(c)
+    s = sub.add_parser("serve", help="OpenAI-compatible HTTP server")
+    add_engine_args(s)
+    add_server_args(s)
+    s.set_defaults(func=run_serve)
     from trellm.bench.cli import add_bench_parser
 
     add_bench_parser(sub)
