@@ -8,6 +8,7 @@ from __future__ import annotations
 import torch
 
 from trellm.attention.torch_paged import TorchPagedAttention
+from trellm.attention.triton_paged import TritonPagedAttention
 
 _BACKENDS: list[type] = []
 
@@ -19,6 +20,7 @@ def register_backend(cls: type) -> type:
 
 
 register_backend(TorchPagedAttention)
+register_backend(TritonPagedAttention)  # CUDA + Triton only; Triton is imported on first use
 
 
 def available_backends() -> list[str]:

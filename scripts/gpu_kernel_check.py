@@ -1,0 +1,146 @@
+#!/usr/bin/env python3
+"""On a CUDA machine: every Triton kernel of trellm/kernels against its PyTorch
+reference on fresh random inputs (the comparisons of tests/kernels/, plus large and
+32k+-context shapes), with timings. Prints a table, writes JSON.
+
+    python scripts/gpu_kernel_check.py --out kernels.json [--quick] [--dtypes bfloat16,float16,float32]
+
+A case that raises (a compile error, say) is recorded as failed with its error and
+the run goes on. Exit status 1 if any case failed. Without a GPU, ``TRITON_INTERPRET=1
+... --quick --dtypes float32`` runs the small cases in Triton's interpreter (a dry run).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import sys
+import time
+import traceback
+from typing import Callable
+
+import torch
+
+from trellm import envs
+from trellm.kernels import kernel_supported, testing as kt
+
+DT = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
+
+
+def cases(dtypes: list[torch.dtype], quick: bool) -> list[tuple[str, Callable[[], list[kt.CheckResult]]]]:
+    """(label, thunk) pairs; each thunk returns CheckResults. Small shapes first."""
+    out: list[tuple[str, Callable]] = []
+
+    def add(label: str, fn: Callable, *args, **kw):
+        def thunk():
+            r = fn(*args, **kw)
+            return r if isinstance(r, list) else [r]
+        out.append((label, thunk))
+
+    main = dtypes[0]
+    for dt in dtypes:
+        # decode: (seq_lens, hq, hk, d)
+        for lens, hq, hk, d in [([1], 4, 4, 64), ([37], 8, 2, 64), ([1, 17, 50], 8, 2, 128),
+                                ([23, 40], 16, 2, 128), ([500] * 8, 32, 8, 128)]:
+            add("paged_decode", kt.check_paged_decode, lens, hq, hk, d, dt, DEV, lead_rows=2, timing=True)
+        # prefill: (chunks, hq, hk, d)
+        for chunks, hq, hk, d in [([(7, 7)], 4, 4, 64), ([(5, 21)], 8, 2, 64),
+                                  ([(3, 3), (17, 40), (1, 9), (16, 16)], 8, 2, 128),
+                                  ([(9, 25), (2, 2)], 16, 2, 64), ([(512, 512)] * 4, 32, 8, 128)]:
+            add("paged_prefill", kt.check_paged_prefill, chunks, hq, hk, d, dt, DEV, lead_rows=3, timing=True)
+        for rows, hidden in [(1, 64), (7, 300), (1, 4096), (256, 4096), (64, 8192)]:
+            add("fused_add_rms_norm", kt.check_fused_add_rms_norm, rows, hidden, dt, DEV, timing=True)
+            add("rms_norm", kt.check_rms_norm, rows, hidden, dt, DEV, timing=True)
+        for rows, inter in [(1, 64), (5, 1000), (1, 14336), (512, 14336)]:
+            add("silu_and_mul", kt.check_silu_and_mul, rows, inter, dt, DEV, timing=True)
+        for t, hq, hk, d in [(1, 4, 4, 64), (9, 8, 2, 64), (5, 6, 2, 96), (1, 32, 8, 128), (512, 32, 8, 128)]:
+            for scaling in (None, kt.LLAMA3_SCALING):
+                add("rope_and_write_kv", kt.check_rope_and_write_kv, t, hq, hk, d, dt, DEV, scaling=scaling, timing=True)
+        add("rope_and_write_kv", kt.check_rope_and_write_kv, 11, 8, 2, 128, dt, DEV, kt.LLAMA3_SCALING,
+            with_positions=False)
+        for t, hk, d, page in [(1, 1, 64, 16), (37, 2, 128, 16), (10, 4, 64, 8), (4096, 8, 128, 16)]:
+            add("write_kv", kt.check_write_kv, t, hk, d, dt, DEV, page=page)
+    for dt in [d for d in dtypes if d != torch.float16]:
+        for b, v in [(1, 100), (6, 3000), (4, 5003), (1, 128256), (64, 151936)]:
+            for topk_path in (True, False):
+                add("sample", kt.check_sample, b, v, dt, DEV, min_p=True, use_topk_path=topk_path, timing=True)
+            add("sample", kt.check_sample, b, v, dt, DEV, top_k=False, top_p=True, use_topk_path=False, timing=True)
+    if not quick:
+        for lens in ([33000], [32768, 40001, 5], [32768] * 16, [131072]):
+            add("paged_decode", kt.check_paged_decode, lens, 32, 8, 128, main, DEV, timing=True)
+        add("paged_decode", kt.check_paged_decode, [65536], 64, 8, 128, main, DEV, timing=True)
+        add("paged_decode", kt.check_paged_decode, [40000] * 4, 32, 8, 128, main, DEV, num_splits=1, timing=True)
+        for chunks in ([(512, 33000)], [(2048, 2048), (300, 40000)], [(8192, 8192)], [(1024, 65536)]):
+            add("paged_prefill", kt.check_paged_prefill, chunks, 32, 8, 128, main, DEV, timing=True)
+    return out
+
+
+def run(dtypes: list[torch.dtype], quick: bool, only: set[str]) -> list[dict]:
+    rows: list[dict] = []
+    for label, thunk in cases(dtypes, quick):
+        if only and label not in only:
+            continue
+        try:
+            new = [vars(r) | {"error": None} for r in thunk()]
+        except Exception as e:  # record and go on: one broken kernel must not hide the others
+            tb = traceback.format_exc(limit=3)
+            new = [{"kernel": label, "shape": "?", "dtype": "?", "max_abs_err": float("nan"),
+                    "atol": 0.0, "rtol": 0.0, "passed": False, "kernel_us": None, "ref_us": None,
+                    "error": f"{type(e).__name__}: {e}\n{tb}"}]
+        for r in new:
+            _print_row(r)
+        rows += new
+        if DEV.type == "cuda":
+            torch.cuda.empty_cache()
+    return rows
+
+
+def _fmt_us(x: float | None) -> str:
+    return "-" if x is None else f"{x:,.1f}"
+
+
+def _print_row(r: dict) -> None:
+    status = "ok" if r["passed"] else "FAIL"
+    print(f"{r['kernel']:<36} {r['dtype']:<9} {r['max_abs_err']:>10.3g} {r['atol']:>7g}/{r['rtol']:<7g} "
+          f"{status:<5} {_fmt_us(r['kernel_us']):>12} {_fmt_us(r['ref_us']):>14}  {r['shape']}", flush=True)
+    if r["error"]:
+        print("    " + r["error"].replace("\n", "\n    "), flush=True)
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--out", required=True, help="JSON output path")
+    ap.add_argument("--dtypes", default="bfloat16,float16,float32", help="comma list; the first is used for long contexts")
+    ap.add_argument("--quick", action="store_true", help="skip the 32k+ context cases")
+    ap.add_argument("--only", default="", help="comma list of kernel names to run (default: all)")
+    args = ap.parse_args()
+    global DEV
+    DEV = torch.device("cpu" if envs.triton_interpret() else "cuda")
+    if not kernel_supported(DEV):
+        print("no CUDA GPU with triton here (or set TRITON_INTERPRET=1 for a CPU dry run)", file=sys.stderr)
+        return 2
+    if envs.triton_interpret():
+        kt.patch_interpreter_bf16()
+    dtypes = [DT[d.strip()] for d in args.dtypes.split(",") if d.strip()]
+    import triton
+
+    env = {"torch": torch.__version__, "triton": triton.__version__, "python": platform.python_version(),
+           "device": torch.cuda.get_device_name(DEV) if DEV.type == "cuda" else "cpu (triton interpreter)",
+           "interpret": envs.triton_interpret()}
+    print(" ".join(f"{k}={v}" for k, v in env.items()))
+    print(f"{'kernel':<36} {'dtype':<9} {'max_abs_err':>10} {'atol/rtol':>15} {'pass':<5} "
+          f"{'kernel_us':>12} {'reference_us':>14}  shape")
+    t0 = time.perf_counter()
+    rows = run(dtypes, args.quick, {k.strip() for k in args.only.split(",") if k.strip()})
+    failed = [r for r in rows if not r["passed"]]
+    summary = {"cases": len(rows), "failed": len(failed), "seconds": round(time.perf_counter() - t0, 1)}
+    print(f"\n{summary['cases'] - summary['failed']} passed, {summary['failed']} failed ({summary['seconds']} s)")
+    with open(args.out, "w") as f:
+        json.dump({"env": env, "summary": summary, "results": rows}, f, indent=1)
+    return 1 if failed else 0
+
+
+DEV = torch.device("cuda")
+
+if __name__ == "__main__":
+    sys.exit(main())
