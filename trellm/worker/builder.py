@@ -14,6 +14,7 @@ from trellm.loader.errors import ModelLoadError
 from trellm.model.config import ArchConfig
 from trellm.model.registry import get_model_class
 from trellm.quant.gguf_int4 import Q4_TYPES, Q4Tensor, cache_dense_weight, is_linear_weight
+from trellm.worker.cuda_graph import BUCKETS, DecodeGraphs
 from trellm.worker.model_runner import ModelRunner
 
 log = logging.getLogger("trellm")
@@ -88,6 +89,9 @@ def build_worker(config: EngineConfig) -> WorkerInfo:
     runner = ModelRunner(model, backend, kv_caches, cc.block_size, eos, device)
     # A request must fit in the pool on its own, or it could never be scheduled.
     max_len = min(max_len, num_blocks * cc.block_size)
+    if device.type == "cuda" and not mc.enforce_eager and backend.name == "triton":
+        runner.graphs = DecodeGraphs(model, backend, kv_caches, cc.block_size, max_len,
+                                     min(config.scheduler.max_num_seqs, BUCKETS[-1]), device).capture()
     info = WorkerInfo(runner, ckpt, arch, max_len, num_blocks, cc.block_size, device, dtype,
                       time.perf_counter() - t0)
     log.info("loaded %s (%s, %s, %s%s) in %.1fs; KV cache: %d blocks = %d tokens; context %d",

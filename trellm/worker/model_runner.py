@@ -33,6 +33,8 @@ class ModelRunner:
         self.device = device
         self.sampler = Sampler()
         self.states: dict[str, CachedRequestState] = {}
+        self.graphs = None
+        """DecodeGraphs replaying decode-only steps (CUDA), or None: every step eager."""
 
     @torch.inference_mode()
     def execute(self, plan: StepPlan) -> StepResult:
@@ -40,9 +42,15 @@ class ModelRunner:
         if plan.is_empty:
             return StepResult()
         batch = build_batch(plan, self.states, self.block_size, self.device)
-        ctx = ForwardContext(self.backend, self.kv_caches, batch.meta)
-        hidden = self.model(batch.input_ids, batch.positions, ctx)
-        logits = self.model.compute_logits(hidden[batch.logits_index]) if len(batch.logits_index) else None
+        # Graphs take steps whose every row is a decode token with a logits row, in order.
+        if (self.graphs is not None and not batch.prompt_spans
+                and len(batch.logits_index) == len(batch.input_ids)
+                and self.graphs.can_run(batch.meta, len(batch.input_ids))):
+            logits = self.graphs.run(batch.input_ids, batch.positions, batch.meta)
+        else:
+            ctx = ForwardContext(self.backend, self.kv_caches, batch.meta)
+            hidden = self.model(batch.input_ids, batch.positions, ctx)
+            logits = self.model.compute_logits(hidden[batch.logits_index]) if len(batch.logits_index) else None
         for rid, n in plan.num_scheduled_tokens.items():
             self.states[rid].num_computed_tokens += n
         return self._sample(batch, logits)
