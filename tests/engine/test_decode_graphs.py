@@ -23,3 +23,16 @@ def test_graph_buffers_give_the_same_greedy_tokens(default_gguf):
     assert run(llm, prompts) == want
     assert run(llm, prompts[:1]) == want[:1]
     assert calls and max(calls) == 6 and min(calls) == 1, "decode steps did not take the graph path"
+
+
+def test_fused_kernel_path_gives_the_same_greedy_tokens(default_gguf):
+    """The model's fused path (residual folded into the norms, RoPE + KV write in one op,
+    attention reading every key from the cache, SiLU-and-mul), run with the kernels'
+    PyTorch references, against the plain path: prefill chunks and decode."""
+    from trellm.kernels import fused_ops
+
+    llm = make(default_gguf, enable_prefix_caching=False, max_num_batched_tokens=16)
+    prompts = PROMPTS[:4]
+    want = run(llm, prompts)
+    llm.engine.worker.runner.ops = fused_ops("cpu", prefer_reference=True)
+    assert run(llm, prompts) == want

@@ -75,6 +75,20 @@ class TorchPagedAttention:
         return out
 
 
+    def attend(self, q: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata,
+               scale: float) -> torch.Tensor:
+        """Attention for a step whose K/V are already in the cache (a model that wrote
+        them itself): every key, the chunk's own included, is read from the cache."""
+        out = torch.empty_like(q)
+        if meta.decode is not None:
+            d = meta.decode
+            out[d.token_index] = _decode(q[d.token_index], kv_cache, d, scale)
+        for p in meta.prefills:
+            sl = slice(p.q_start, p.q_start + p.q_len)
+            out[sl] = prefill_reference(q[sl], None, None, kv_cache, p, scale)
+        return out
+
+
 def write_kv(kv_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slots: torch.Tensor) -> None:
     _, nb, bs, hk, d = kv_cache.shape
     kv_cache[0].view(nb * bs, hk, d).index_copy_(0, slots, k.to(kv_cache.dtype))
@@ -129,9 +143,9 @@ def _sdpa_decode(q: torch.Tensor, keys: torch.Tensor, vals: torch.Tensor, mask: 
 def prefill_reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor,
                       p: PrefillSeq, scale: float) -> torch.Tensor:
     """Causal attention of a chunk of queries over the cached prefix plus itself."""
-    hq, hk = q.shape[1], k.shape[1]
+    hq, hk = q.shape[1], kv_cache.shape[3]
     start = p.seq_len - p.q_len
-    if start == 0:
+    if start == 0 and k is not None:
         # Nothing cached before this chunk: attend to the fresh K/V directly.
         keys, vals = k, v
     else:

@@ -80,4 +80,19 @@ def get_op(name: str, device: torch.device | str, prefer_reference: bool = False
     return getattr(mod, op.kernel if use_kernel else op.reference)
 
 
-__all__ = ["OPS", "KernelOp", "get_op", "kernel_supported", "triton_available", "triton_importable"]
+@dataclass(frozen=True)
+class FusedOps:
+    """The fused per-layer ops a model calls on its fused path (the GPU kernels, or
+    their references for tests)."""
+
+    rms_norm: Callable
+    fused_add_rms_norm: Callable
+    rope_and_write_kv: Callable
+    silu_and_mul: Callable
+
+
+def fused_ops(device: torch.device | str, prefer_reference: bool = False) -> FusedOps:
+    return FusedOps(**{name: get_op(name, device, prefer_reference) for name in FusedOps.__dataclass_fields__})
+
+
+__all__ = ["FusedOps", "fused_ops", "OPS", "KernelOp", "get_op", "kernel_supported", "triton_available", "triton_importable"]

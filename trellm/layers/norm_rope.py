@@ -83,6 +83,11 @@ class RotaryEmbedding(torch.nn.Module):
             self._cache = (torch.cat((freqs, freqs), dim=-1).cos(), torch.cat((-freqs.sin(), freqs.sin()), dim=-1))
         return self._cache
 
+    def tables(self, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+        """The whole float32 [max_positions, D] cos and signed sin tables (fused kernels
+        index them by position themselves)."""
+        return self._cos_sin(device)
+
     def cos_sin(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         """[T, 1, D] cos and signed sin for these positions; computed once per forward, shared by all layers."""
         cos_all, sin_all = self._cos_sin(positions.device)

@@ -45,10 +45,20 @@ class Attention(torch.nn.Module):
         q = q.view(t, self.num_heads, self.head_dim)
         k = k.view(t, self.num_kv_heads, self.head_dim)
         v = v.view(t, self.num_kv_heads, self.head_dim)
+        kv_cache = ctx.kv_caches[self.layer_idx]
+        if ctx.ops is not None:
+            # Fused path (GPU kernels): q/k norm, then RoPE and the KV write in one kernel.
+            if self.q_norm is not None:
+                q = ctx.ops.rms_norm(q, self.q_norm.weight, self.q_norm.eps)
+                k = ctx.ops.rms_norm(k, self.k_norm.weight, self.k_norm.eps)
+            cos, sin = self.rope.tables(q.device)
+            q = ctx.ops.rope_and_write_kv(q, k, v, cos, sin, kv_cache, ctx.meta.slot_mapping, positions)
+            out = ctx.backend.attend(q, kv_cache, ctx.meta, self.scale)
+            return self.o_proj(out.reshape(t, -1))
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = self.rope(q, k, ctx.cos_sin)
-        out = ctx.backend.forward(q, k, v, ctx.kv_caches[self.layer_idx], ctx.meta, self.scale)
+        out = ctx.backend.forward(q, k, v, kv_cache, ctx.meta, self.scale)
         return self.o_proj(out.reshape(t, -1))
 
 
@@ -59,7 +69,9 @@ class MLP(torch.nn.Module):
         self.gate_up_proj = MergedLinear(cfg.hidden_size, [i, i], False, get_linear_method(cfg.quantization_config), dtype)
         self.down_proj = Linear(i, cfg.hidden_size, False, get_linear_method(cfg.quantization_config), dtype)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, ops=None) -> torch.Tensor:
+        if ops is not None:
+            return self.down_proj(ops.silu_and_mul(self.gate_up_proj(x)))
         gate, up = self.gate_up_proj.split(self.gate_up_proj(x))
         return self.down_proj(F.silu(gate) * up)
 
@@ -98,10 +110,25 @@ class LlamaForCausalLM(torch.nn.Module):
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, ctx) -> torch.Tensor:
         """input_ids, positions: [T]; returns final hidden states [T, hidden]."""
         x = self.embed_tokens(input_ids)
+        if ctx.ops is not None:
+            return self._forward_fused(x, positions, ctx)
         ctx.cos_sin = self.layers[0].self_attn.rope.cos_sin(positions, x.dtype)
         for layer in self.layers:
             x = layer(x, positions, ctx)
         return self.norm(x)
+
+    def _forward_fused(self, x: torch.Tensor, positions: torch.Tensor, ctx) -> torch.Tensor:
+        """The same layers with the residual add folded into the next norm (one kernel
+        for ``h = h + out; normed = norm(h)``), as the GPU kernels want it."""
+        ops = ctx.ops
+        first = self.layers[0].input_layernorm
+        residual, h = x, ops.rms_norm(x, first.weight, first.eps)
+        norms = [layer.input_layernorm for layer in self.layers[1:]] + [self.norm]
+        for layer, next_norm in zip(self.layers, norms):
+            post = layer.post_attention_layernorm
+            h, residual = ops.fused_add_rms_norm(layer.self_attn(h, positions, ctx), residual, post.weight, post.eps)
+            h, residual = ops.fused_add_rms_norm(layer.mlp(h, ops), residual, next_norm.weight, next_norm.eps)
+        return h
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         if self.lm_head_int8 is not None:

@@ -9,6 +9,7 @@ import torch
 
 from trellm.attention.registry import get_attention_backend
 from trellm.config import EngineConfig
+from trellm.kernels import fused_ops
 from trellm.loader.checkpoint import Checkpoint, open_checkpoint
 from trellm.loader.errors import ModelLoadError
 from trellm.model.config import ArchConfig
@@ -89,9 +90,12 @@ def build_worker(config: EngineConfig) -> WorkerInfo:
     runner = ModelRunner(model, backend, kv_caches, cc.block_size, eos, device)
     # A request must fit in the pool on its own, or it could never be scheduled.
     max_len = min(max_len, num_blocks * cc.block_size)
-    if device.type == "cuda" and not mc.enforce_eager and backend.name == "triton":
-        runner.graphs = DecodeGraphs(model, backend, kv_caches, cc.block_size, max_len,
-                                     min(config.scheduler.max_num_seqs, BUCKETS[-1]), device).capture()
+    if backend.name == "triton":  # CUDA: the model's fused-kernel path, then decode graphs
+        runner.ops = fused_ops(device)
+        if not mc.enforce_eager:
+            runner.graphs = DecodeGraphs(model, backend, kv_caches, cc.block_size, max_len,
+                                         min(config.scheduler.max_num_seqs, BUCKETS[-1]), device,
+                                         ops=runner.ops).capture()
     info = WorkerInfo(runner, ckpt, arch, max_len, num_blocks, cc.block_size, device, dtype,
                       time.perf_counter() - t0)
     log.info("loaded %s (%s, %s, %s%s) in %.1fs; KV cache: %d blocks = %d tokens; context %d",

@@ -41,8 +41,9 @@ class _Graph:
 
 class DecodeGraphs:
     def __init__(self, model: torch.nn.Module, backend, kv_caches: list[torch.Tensor], block_size: int,
-                 max_model_len: int, max_batch: int, device: torch.device, capture: bool = True):
-        self.model, self.backend, self.kv_caches = model, backend, kv_caches
+                 max_model_len: int, max_batch: int, device: torch.device, capture: bool = True,
+                 ops=None):
+        self.model, self.backend, self.kv_caches, self.ops = model, backend, kv_caches, ops
         self.block_size, self.max_len, self.device = block_size, max_model_len, device
         self.capture_enabled = capture
         self.buckets = [b for b in BUCKETS if b < max_batch] + [max_batch] if capture else []
@@ -83,7 +84,7 @@ class DecodeGraphs:
     def _forward(self, b: int, meta: AttentionMetadata) -> torch.Tensor:
         from trellm.worker.model_runner import ForwardContext
 
-        ctx = ForwardContext(self.backend, self.kv_caches, meta)
+        ctx = ForwardContext(self.backend, self.kv_caches, meta, ops=self.ops)
         hidden = self.model(self.input_ids[:b], self.positions[:b], ctx)
         return self.model.compute_logits(hidden)
 

@@ -20,6 +20,8 @@ class ForwardContext:
     meta: object
     cos_sin: tuple[torch.Tensor, torch.Tensor] | None = None
     """RoPE tables for this step's positions, filled once by the model for all layers."""
+    ops: object | None = None
+    """trellm.kernels.FusedOps: the model takes its fused path (GPU kernels); None: plain ops."""
 
 
 class ModelRunner:
@@ -33,6 +35,8 @@ class ModelRunner:
         self.device = device
         self.sampler = Sampler()
         self.states: dict[str, CachedRequestState] = {}
+        self.ops = None
+        """FusedOps when the model runs its fused-kernel path (CUDA + Triton backend)."""
         self.graphs = None
         """DecodeGraphs replaying decode-only steps (CUDA), or None: every step eager."""
 
@@ -48,7 +52,7 @@ class ModelRunner:
                 and self.graphs.can_run(batch.meta, len(batch.input_ids))):
             logits = self.graphs.run(batch.input_ids, batch.positions, batch.meta)
         else:
-            ctx = ForwardContext(self.backend, self.kv_caches, batch.meta)
+            ctx = ForwardContext(self.backend, self.kv_caches, batch.meta, ops=self.ops)
             hidden = self.model(batch.input_ids, batch.positions, ctx)
             logits = self.model.compute_logits(hidden[batch.logits_index]) if len(batch.logits_index) else None
         for rid, n in plan.num_scheduled_tokens.items():
