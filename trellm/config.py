@@ -29,6 +29,8 @@ class ModelConfig:
     quantization: str = "auto"
     """'auto': on CPU keep GGUF Q4_0/Q4_1 linear weights packed (int4 matmul, bf16
     activations); 'none': dequantize everything to --dtype."""
+    enforce_eager: bool = False
+    """CUDA: run decode steps eagerly instead of replaying captured CUDA graphs."""
     prefill_weight_cache_memory: int = 1 << 30
     """CPU int4 path: keep float32 copies of the packed linear weights for prefill
     chunks (which run an fp32 GEMM) when they fit in this many bytes, instead of
@@ -128,6 +130,15 @@ class ServerConfig:
     """CORS origins allowed to call the API from a browser; () = no CORS headers."""
     retry_after_s: int = 1
     """Value of the Retry-After header on 503 answers."""
+    allowed_hosts: tuple[str, ...] = ()
+    """Host-header names accepted besides loopback's (DNS-rebinding guard); '*' = any.
+    Enforced when bound to loopback, or whenever names are given."""
+    request_header_timeout_s: float = 10.0
+    """Deadline for receiving a request's headers (slowloris); the connection is closed."""
+    max_queue_wait_s: float = 0.0
+    """A request still waiting for its first seat after this long gets 503 + Retry-After; 0 = off."""
+    tokenize_timeout_s: float = 10.0
+    """Deadline for tokenizing / templating one request's input (400 beyond it)."""
 
     def validate(self) -> None:
         if not 0 <= self.port <= 65535:
@@ -140,8 +151,14 @@ class ServerConfig:
             raise ValueError("--max-logprobs must be in [0, 20]")
         if self.max_request_body_bytes < 1024:
             raise ValueError("--max-request-body-bytes must be >= 1024")
-        if self.request_body_timeout_s <= 0 or self.shutdown_timeout_s < 0 or self.engine_step_timeout_s < 0:
-            raise ValueError("timeouts must be positive (engine step timeout and shutdown timeout may be 0)")
+        if min(self.request_body_timeout_s, self.request_header_timeout_s, self.tokenize_timeout_s) <= 0:
+            raise ValueError("--request-body-timeout, --request-header-timeout and --tokenize-timeout "
+                             "must be > 0")
+        if min(self.shutdown_timeout_s, self.engine_step_timeout_s, self.max_queue_wait_s) < 0:
+            raise ValueError("--shutdown-timeout, --engine-step-timeout and --max-queue-wait must be >= 0")
+        for name in self.allowed_hosts:
+            if not name or len(name) > 255 or any(c in name for c in "/?#@ "):
+                raise ValueError(f"--allowed-hosts: {name[:80]!r} is not a host name")
         if self.api_key is not None and not self.api_key:
             raise ValueError("--api-key must not be empty")
         for name in self.served_model_names:

@@ -5,6 +5,10 @@ behind uvicorn on a free loopback port, in a thread of this process, so tests ca
 also reach the engine (between steps) to check KV-cache invariants. Fault tests
 (engine death, queue full, shutdown) each get a throwaway server on a tiny
 random-weight model that loads in well under a second.
+
+``hostile`` is one tiny-model server for the hostile-input catalogue
+(test_hostile_*.py), with short header and body deadlines; after every test that
+uses it, a normal request must still succeed and the engine must hold nothing.
 """
 from __future__ import annotations
 
@@ -12,7 +16,7 @@ import json
 from pathlib import Path
 
 import pytest
-from server_helpers import API_KEY, MAX_MODEL_LEN, LiveServer, start_server
+from server_helpers import API_KEY, MAX_MODEL_LEN, LiveServer, assert_still_serves, start_server
 
 from trellm.config import ServerConfig
 from trellm.engine.engine import Engine
@@ -69,3 +73,26 @@ def tiny_server(tiny_engine):
     yield make
     for live in started:
         live.stop()
+
+
+# 1 s header and body deadlines (defaults 10 s and 30 s) let the slow-sender tests
+# finish in seconds; everything else is the default configuration.
+HOSTILE_CONFIG = ServerConfig(api_key=API_KEY, max_n=4, request_header_timeout_s=1.0, request_body_timeout_s=1.0)
+
+
+@pytest.fixture(scope="session")
+def hostile(tiny_model_dir) -> LiveServer:
+    engine = Engine(engine_config_from_kwargs(f"dummy:{tiny_model_dir / 'config.json'}",
+                                              kv_cache_memory=8 << 20, max_num_seqs=4))
+    live = start_server(engine, HOSTILE_CONFIG)
+    yield live
+    live.stop()
+
+
+@pytest.fixture(autouse=True)
+def _hostile_then_normal(request):
+    """After each test on the ``hostile`` server: a normal request still succeeds."""
+    live = request.getfixturevalue("hostile") if "hostile" in request.fixturenames else None
+    yield
+    if live is not None:
+        assert_still_serves(live)

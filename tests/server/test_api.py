@@ -8,34 +8,17 @@ import time
 
 import httpx
 import pytest
-from server_helpers import MAX_MODEL_LEN, MODEL_NAME, assert_openai_error, chat_body, completion_body
+from server_helpers import (
+    MAX_MODEL_LEN,
+    MODEL_NAME,
+    assert_openai_error,
+    chat_body,
+    completion_body,
+    metric,
+    wait_engine_idle,
+)
 
 from trellm import LLM, SamplingParams
-
-
-def _engine_idle(server, timeout: float = 20.0) -> dict:
-    """Wait until the engine holds no request; return its KV accounting (invariants checked)."""
-    def probe(e):
-        e.check_invariants()
-        return {"busy": e.has_unfinished_requests(), "free": e.kv.num_free_blocks, "total": e.kv.num_blocks}
-
-    deadline = time.monotonic() + timeout
-    while True:
-        state = server.call(probe)
-        if not state["busy"] or time.monotonic() > deadline:
-            return state
-        time.sleep(0.05)
-
-
-def _metric(text: str, name: str, **labels) -> float:
-    want = ",".join(f'{k}="{v}"' for k, v in labels.items())
-    for line in text.splitlines():
-        if line.startswith(name) and (not labels or f"{{{want}}}" in line or all(
-                f'{k}="{v}"' in line for k, v in labels.items())):
-            head = line.split(" ")[0]
-            if head == name or head.startswith(name + "{"):
-                return float(line.rsplit(" ", 1)[1])
-    return 0.0
 
 
 # ---- auth -----------------------------------------------------------------------------------
@@ -79,12 +62,12 @@ def test_metrics_exposed(server):
                  "trellm:time_to_first_token_seconds_bucket", "trellm:inter_token_latency_seconds_bucket",
                  "trellm:e2e_request_latency_seconds_bucket"):
         assert name in text, name
-    assert _metric(text, "trellm:generation_tokens_total") - _metric(before, "trellm:generation_tokens_total") == 3
-    assert _metric(text, "trellm:prompt_tokens_total") > _metric(before, "trellm:prompt_tokens_total")
-    assert _metric(text, "trellm:time_to_first_token_seconds_count") >= 1
-    assert _metric(text, "trellm:request_finished_total", reason="length") >= 1
-    assert _metric(text, "trellm:http_requests_total", method="POST", route="/v1/completions", status="400") >= 1
-    assert _metric(text, "trellm:http_requests_total", method="POST", route="/v1/completions", status="200") >= 1
+    assert metric(text, "trellm:generation_tokens_total") - metric(before, "trellm:generation_tokens_total") == 3
+    assert metric(text, "trellm:prompt_tokens_total") > metric(before, "trellm:prompt_tokens_total")
+    assert metric(text, "trellm:time_to_first_token_seconds_count") >= 1
+    assert metric(text, "trellm:request_finished_total", reason="length") >= 1
+    assert metric(text, "trellm:http_requests_total", method="POST", route="/v1/completions", status="400") >= 1
+    assert metric(text, "trellm:http_requests_total", method="POST", route="/v1/completions", status="200") >= 1
 
 
 # ---- tokenizer routes (what lm-eval's remote tokenizer calls) -----------------------------
@@ -211,22 +194,22 @@ def test_stream_disconnect_aborts_and_frees_kv(server):
                     seen += 1
                     if seen == 3:
                         break  # leaving the block closes the connection mid-stream
-        aborted_before = _metric(c.get("/metrics").text, "trellm:request_finished_total", reason="abort")
+        aborted_before = metric(c.get("/metrics").text, "trellm:request_finished_total", reason="abort")
     start = time.monotonic()
-    state = _engine_idle(server)
+    state = wait_engine_idle(server)
     assert not state["busy"], "the disconnected request kept running"
     assert time.monotonic() - start < 10  # far sooner than 400 tokens would take
     assert state["free"] == state["total"]
     with server.client() as c:
         text = c.get("/metrics").text
-        assert _metric(text, "trellm:request_finished_total", reason="abort") >= max(aborted_before, 1)
+        assert metric(text, "trellm:request_finished_total", reason="abort") >= max(aborted_before, 1)
         assert c.post("/v1/chat/completions", json=chat_body(max_tokens=2)).status_code == 200
 
 
 def test_non_stream_client_timeout_aborts_and_frees_kv(server):
     with server.client(timeout=1.0) as c, pytest.raises(httpx.ReadTimeout):
         c.post("/v1/chat/completions", json=chat_body(max_tokens=400, ignore_eos=True, temperature=0))
-    state = _engine_idle(server)
+    state = wait_engine_idle(server)
     assert not state["busy"] and state["free"] == state["total"]
 
 

@@ -23,6 +23,26 @@ def test_defaults_and_flags(monkeypatch):
     assert a.long_prefill_token_threshold == 32 and a.max_num_batched_tokens == 64
 
 
+def test_hardening_flags():
+    d = server_config(build_parser().parse_args(["serve"]))
+    assert (d.allowed_hosts, d.max_queue_wait_s, d.request_header_timeout_s, d.tokenize_timeout_s) == ((), 0.0, 10.0,
+                                                                                                      10.0)
+    cfg = server_config(build_parser().parse_args([
+        "serve", "--allowed-hosts", "api.example", "my.box", "--request-header-timeout", "3",
+        "--request-body-timeout", "4", "--max-queue-wait", "20", "--tokenize-timeout", "2",
+        "--allowed-origins", "http://app.example"]))
+    assert cfg.allowed_hosts == ("api.example", "my.box") and cfg.allowed_origins == ("http://app.example",)
+    assert (cfg.request_header_timeout_s, cfg.request_body_timeout_s, cfg.max_queue_wait_s,
+            cfg.tokenize_timeout_s) == (3.0, 4.0, 20.0, 2.0)
+
+
+def test_bad_hardening_flags_fail_before_loading(capsys):
+    for flags in (["--max-queue-wait", "-1"], ["--request-header-timeout", "0"], ["--allowed-hosts", "a/b"]):
+        assert main(["serve", "/no/such/model.gguf", *flags]) == 1
+        err = capsys.readouterr().err
+        assert err.startswith("trellm: error: --") and "no/such" not in err
+
+
 def test_api_key_from_environment(monkeypatch):
     monkeypatch.setenv("TRELLM_API_KEY", "from-env")
     assert server_config(build_parser().parse_args(["serve"])).api_key == "from-env"

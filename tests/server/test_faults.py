@@ -16,28 +16,14 @@ import time
 
 import httpx
 import pytest
-from server_helpers import assert_openai_error, chat_body, completion_body
+from server_helpers import assert_openai_error, chat_body, completion_body, slow_steps
 
 from trellm.config import ServerConfig
 
 
-def _slow_steps(live, seconds: float, fail: threading.Event | None = None) -> None:
-    """Make every engine step take ``seconds`` (and raise once ``fail`` is set)."""
-    runner = live.engine.engine.worker.runner
-    original = runner.execute
-
-    def execute(plan):
-        time.sleep(seconds)
-        if fail is not None and fail.is_set():
-            raise RuntimeError("injected fault: secret internal detail")
-        return original(plan)
-
-    runner.execute = execute
-
-
 def test_queue_full_gives_503_with_retry_after(tiny_server):
     live = tiny_server(ServerConfig(max_queued_requests=1, retry_after_s=2), engine_kw={"max_num_seqs": 1})
-    _slow_steps(live, 0.05)
+    slow_steps(live, 0.05)
     body = completion_body(max_tokens=8, ignore_eos=True, temperature=0)
 
     def post(_):
@@ -62,7 +48,7 @@ def test_openai_sdk_sees_503_as_internal_server_error(tiny_server):
     import openai
 
     live = tiny_server(ServerConfig(max_queued_requests=0), engine_kw={"max_num_seqs": 1})
-    _slow_steps(live, 0.05)
+    slow_steps(live, 0.05)
     client = live.openai()
     with concurrent.futures.ThreadPoolExecutor(4) as pool:
         futs = [pool.submit(client.completions.create, model="smollm2", prompt="hi", max_tokens=6,
@@ -71,11 +57,12 @@ def test_openai_sdk_sees_503_as_internal_server_error(tiny_server):
     assert any(isinstance(e, openai.InternalServerError) and e.status_code == 503 for e in errors), errors
 
 
-def test_engine_death_fails_pending_requests_and_health(tiny_server):
+@pytest.mark.parametrize("fault", [RuntimeError, MemoryError])  # #73, and #75 (allocator failure)
+def test_engine_death_fails_pending_requests_and_health(tiny_server, fault):
     deaths: list[BaseException] = []
     fail = threading.Event()
     live = tiny_server(on_dead=deaths.append)
-    _slow_steps(live, 0.02, fail)
+    slow_steps(live, 0.02, fail, exc=fault("injected fault: secret internal detail"))
     stream_lines: list[str] = []
     got_chunk = threading.Event()
 
@@ -106,7 +93,7 @@ def test_engine_death_fails_pending_requests_and_health(tiny_server):
     # The non-streamed request gets a 500 without internals.
     e = assert_openai_error(r, 500)
     assert e["code"] == "engine_dead" and "secret" not in r.text
-    assert len(deaths) == 1 and "injected" in str(deaths[0])
+    assert len(deaths) == 1 and isinstance(deaths[0], fault) and "injected" in str(deaths[0])
     h = httpx.get(live.url + "/health")
     assert_openai_error(h, 503)
     assert "retry-after" in h.headers
@@ -192,64 +179,135 @@ def serve_process(tiny_model_dir):
             p.wait()
 
 
-def test_engine_death_exits_non_zero(serve_process):
-    proc, url = serve_process("fault")
-    r = httpx.post(url + "/v1/completions", json=completion_body(model=None, max_tokens=100, ignore_eos=True),
-                   timeout=30)
-    assert_openai_error(r, 500)
-    assert proc.wait(timeout=30) == 1
-    out = proc.stdout.read()
-    assert "engine died" in out
-
-
-def test_sigterm_drains_in_flight_then_exits_zero(serve_process):
-    proc, url = serve_process("ok", "--shutdown-timeout", "20")
-    lines: list[str] = []
-    started = threading.Event()
-
-    def stream():
-        with httpx.stream("POST", url + "/v1/completions", timeout=60, json=completion_body(
-                model=None, max_tokens=60, ignore_eos=True, stream=True)) as r:
+def _stream_lines(url: str, body: dict, lines: list[str], started: threading.Event | None = None) -> int:
+    """POST a streaming request, collecting its non-empty lines; returns the status."""
+    try:
+        with httpx.stream("POST", url + "/v1/completions", json={**body, "stream": True}, timeout=60) as r:
+            if r.status_code != 200:
+                lines.append(r.read().decode())
+                return r.status_code
             for line in r.iter_lines():
                 if line:
                     lines.append(line)
-                    started.set()
+                    if started is not None:
+                        started.set()
+            return 200
+    except httpx.TransportError as e:  # the process went away mid-stream
+        lines.append(f"transport error: {type(e).__name__}")
+        return -1
 
-    t = threading.Thread(target=stream)
-    t.start()
-    assert started.wait(20)
-    proc.send_signal(signal.SIGTERM)
-    time.sleep(0.3)
-    # While draining the port stays open: health and new requests answer 503.
-    assert httpx.get(url + "/health", timeout=5).status_code == 503
-    late = httpx.post(url + "/v1/completions", json=completion_body(model=None, max_tokens=2), timeout=5)
-    assert assert_openai_error(late, 503)["code"] == "shutting_down"
-    assert late.headers.get("retry-after")
-    t.join(30)
-    assert lines[-1] == "data: [DONE]"
-    finals = [json.loads(x[6:]) for x in lines[:-1]]
-    assert finals[-1]["choices"][0]["finish_reason"] == "length"  # it finished, not cut
+
+def _ended_explicitly(status: int, lines: list[str], code: str) -> bool:
+    """Reliability §3.1: an error before the header, or an error event then [DONE]."""
+    if status != 200:
+        return status in (500, 503) and json.loads(lines[-1])["error"]["code"] == code
+    return lines[-1] == "data: [DONE]" and json.loads(lines[-2][6:]).get("error", {}).get("code") == code
+
+
+def _children(pid: int) -> list[int]:
+    import psutil
+
+    return [c.pid for c in psutil.Process(pid).children(recursive=True)]
+
+
+def test_engine_death_exits_non_zero(serve_process):
+    """#73 in a real process: 4 streams in flight when a step raises. Each ends with an
+    explicit error, /health turns 503 (or the port closes) within 2 s, new requests
+    fail fast, and the process exits 1 within 5 s."""
+    proc, url = serve_process("fault")
+    body = completion_body(model=None, max_tokens=100, ignore_eos=True)
+    results: list[tuple[int, list[str]]] = []
+    with concurrent.futures.ThreadPoolExecutor(4) as pool:
+        futs = [(pool.submit(_stream_lines, url, body, lines), lines) for lines in ([], [], [], [])]
+        results = [(f.result(timeout=30), lines) for f, lines in futs]
+    t_end = time.monotonic()
+    for status, lines in results:
+        assert _ended_explicitly(status, lines, "engine_dead"), (status, lines[-2:])
+    try:
+        h = httpx.get(url + "/health", timeout=2)
+        assert h.status_code == 503
+        t0 = time.monotonic()
+        late = httpx.post(url + "/v1/completions", json=completion_body(model=None, max_tokens=1), timeout=2)
+        assert late.status_code == 503 and time.monotonic() - t0 < 1.0
+    except httpx.TransportError:
+        pass  # already gone: refused outright, which is failing fast too
+    assert time.monotonic() - t_end < 2.0
+    assert proc.wait(timeout=5) == 1
+    assert "engine died" in proc.stdout.read()
+
+
+def test_sigterm_drains_in_flight_then_exits_zero(serve_process):
+    """#71: 4 streams in flight at SIGTERM finish; 3 requests sent after it get 503
+    (or a refused connection); the process exits 0 and leaves no child process."""
+    proc, url = serve_process("ok", "--shutdown-timeout", "20")
+    children = _children(proc.pid)
+    body = completion_body(model=None, max_tokens=40, ignore_eos=True)
+    started = [threading.Event() for _ in range(4)]
+    with concurrent.futures.ThreadPoolExecutor(4) as pool:
+        futs = [(pool.submit(_stream_lines, url, body, lines, ev), lines) for lines, ev in
+                (([], e) for e in started)]
+        assert all(e.wait(20) for e in started)
+        proc.send_signal(signal.SIGTERM)
+        time.sleep(0.3)
+        # While draining the port stays open: health and new requests answer 503.
+        assert httpx.get(url + "/health", timeout=5).status_code == 503
+        for _ in range(3):
+            late = httpx.post(url + "/v1/completions", json=completion_body(model=None, max_tokens=2), timeout=5)
+            assert assert_openai_error(late, 503)["code"] == "shutting_down"
+            assert late.headers.get("retry-after")
+        for f, lines in futs:
+            assert f.result(timeout=30) == 200
+            assert lines[-1] == "data: [DONE]"
+            finals = [json.loads(x[6:]) for x in lines[:-1]]
+            assert finals[-1]["choices"][0]["finish_reason"] == "length"  # it finished, not cut
+            assert sum(len(x["choices"][0]["text"]) > 0 for x in finals) > 0
     assert proc.wait(timeout=30) == 0
+    assert not [pid for pid in children if _alive(pid)]
+
+
+def _alive(pid: int) -> bool:
+    import psutil
+
+    try:
+        return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return False
 
 
 def test_sigterm_timeout_ends_requests_with_an_error(serve_process):
     proc, url = serve_process("ok", "--shutdown-timeout", "0.5")
     lines: list[str] = []
     started = threading.Event()
-
-    def stream():
-        with httpx.stream("POST", url + "/v1/completions", timeout=60, json=completion_body(
-                model=None, max_tokens=240, ignore_eos=True, stream=True)) as r:
-            for line in r.iter_lines():
-                if line:
-                    lines.append(line)
-                    started.set()
-
-    t = threading.Thread(target=stream)
+    t = threading.Thread(target=_stream_lines, args=(url, completion_body(model=None, max_tokens=240,
+                                                                          ignore_eos=True), lines, started))
     t.start()
     assert started.wait(20)
     proc.send_signal(signal.SIGTERM)
+    t0 = time.monotonic()
     t.join(30)
     assert lines[-1] == "data: [DONE]"
     assert json.loads(lines[-2][6:])["error"]["code"] == "shutting_down"
     assert proc.wait(timeout=30) == 0
+    assert time.monotonic() - t0 < 0.5 + 4.0  # shutdown timeout, plus a little
+
+
+def test_second_sigint_during_drain_exits_at_once(serve_process):
+    """#72: the first Ctrl-C drains (up to 60 s here); a second one stops now."""
+    proc, url = serve_process("ok", "--shutdown-timeout", "60")
+    lines: list[str] = []
+    started = threading.Event()
+    t = threading.Thread(target=_stream_lines, args=(url, completion_body(model=None, max_tokens=240,
+                                                                          ignore_eos=True), lines, started))
+    t.start()
+    assert started.wait(20)
+    proc.send_signal(signal.SIGINT)
+    time.sleep(0.5)
+    assert proc.poll() is None and httpx.get(url + "/health", timeout=5).status_code == 503  # draining
+    t0 = time.monotonic()
+    proc.send_signal(signal.SIGINT)
+    assert proc.wait(timeout=10) == 130  # the shell's "ended by SIGINT"
+    assert time.monotonic() - t0 < 5.0
+    t.join(10)
+    # The cut stream was told so, or lost its connection; it did not hang.
+    assert not t.is_alive()
+    assert lines[-1] == "data: [DONE]" or lines[-1].startswith("transport error")

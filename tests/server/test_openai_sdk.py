@@ -136,5 +136,9 @@ def test_sdk_error_classes(client):
     with pytest.raises(openai.BadRequestError) as e:
         client.chat.completions.create(model=MODEL_NAME, messages=MESSAGES, max_tokens=100_000)
     assert _err(e.value)["code"] == "context_length_exceeded"
+    wrong = openai.OpenAI(base_url=client.base_url, api_key="wrong-key", max_retries=0)
+    with pytest.raises(openai.AuthenticationError) as e:
+        wrong.models.list()
+    assert _err(e.value)["code"] == "invalid_api_key"
     # And the server still serves.
     assert client.completions.create(model=MODEL_NAME, prompt=PROMPT, max_tokens=1).choices[0].text is not None

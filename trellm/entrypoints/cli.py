@@ -31,6 +31,8 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--gpu-memory-utilization", type=float, default=0.9)
     p.add_argument("--seed", type=int, default=0, help="seed for dummy weights")
     p.add_argument("--load-workers", type=int, default=4)
+    p.add_argument("--enforce-eager", action="store_true",
+                   help="CUDA: no CUDA graphs (decode steps run eagerly)")
     p.add_argument("--prefill-weight-cache-memory", type=int, default=1 << 30,
                    help="CPU int4 path: bytes of float32 weight copies kept for prefill (0: none)")
 
@@ -42,7 +44,7 @@ def engine_kwargs(a: argparse.Namespace) -> dict:
                 enable_prefix_caching=a.enable_prefix_caching, block_size=a.block_size,
                 kv_cache_memory=a.kv_cache_memory, gpu_memory_utilization=a.gpu_memory_utilization,
                 seed=a.seed, load_workers=a.load_workers,
-                prefill_weight_cache_memory=a.prefill_weight_cache_memory)
+                prefill_weight_cache_memory=a.prefill_weight_cache_memory, enforce_eager=a.enforce_eager)
 
 
 def add_sampling_args(p: argparse.ArgumentParser) -> None:
@@ -86,6 +88,17 @@ def add_server_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--engine-step-timeout", type=float, default=d.engine_step_timeout_s,
                    help="watchdog: a step longer than this kills the engine (0 = off)")
     p.add_argument("--allowed-origins", nargs="*", default=[], help="CORS origins (default: none)")
+    p.add_argument("--allowed-hosts", nargs="*", default=[],
+                   help="Host-header names to accept besides localhost/127.0.0.1/[::1] (DNS-rebinding "
+                        "guard, on when bound to loopback or when names are given; '*' = any)")
+    p.add_argument("--request-header-timeout", type=float, default=d.request_header_timeout_s,
+                   help="seconds a client may take to send a request's headers (slowloris)")
+    p.add_argument("--request-body-timeout", type=float, default=d.request_body_timeout_s,
+                   help="seconds a client may take to send a request body (408 beyond)")
+    p.add_argument("--max-queue-wait", type=float, default=d.max_queue_wait_s,
+                   help="seconds a request may wait for a seat before a 503 + Retry-After (0 = no limit)")
+    p.add_argument("--tokenize-timeout", type=float, default=d.tokenize_timeout_s,
+                   help="seconds to template and tokenize one request's input (400 beyond)")
 
 
 def server_config(a: argparse.Namespace):
@@ -97,7 +110,10 @@ def server_config(a: argparse.Namespace):
                         max_queued_requests=a.max_queued_requests, max_n=a.max_n,
                         max_logprobs=a.max_logprobs, max_request_body_bytes=a.max_request_body_bytes,
                         shutdown_timeout_s=a.shutdown_timeout, engine_step_timeout_s=a.engine_step_timeout,
-                        allowed_origins=tuple(a.allowed_origins))
+                        allowed_origins=tuple(a.allowed_origins), allowed_hosts=tuple(a.allowed_hosts),
+                        request_header_timeout_s=a.request_header_timeout,
+                        request_body_timeout_s=a.request_body_timeout, max_queue_wait_s=a.max_queue_wait,
+                        tokenize_timeout_s=a.tokenize_timeout)
 
 
 def run_serve(args: argparse.Namespace) -> int:

@@ -34,8 +34,7 @@ def run_generate(args: argparse.Namespace) -> int:
     if tok is None:
         raise ValueError("this model has no tokenizer, so it cannot take a text prompt")
     if args.chat:
-        ids = tok.encode(tok.apply_chat_template([{"role": "user", "content": args.prompt}]),
-                         add_special_tokens=False)
+        ids = tok.encode_chat([{"role": "user", "content": args.prompt}])
     else:
         ids = tok.encode(args.prompt)
     _stream(llm, ids, params)
@@ -58,7 +57,7 @@ def run_chat(args: argparse.Namespace) -> int:
         if not line.strip():
             break
         messages.append({"role": "user", "content": line})
-        ids = tok.encode(tok.apply_chat_template(messages), add_special_tokens=False)
+        ids = tok.encode_chat(messages)
         try:
             reply = _stream(llm, ids, params)
         except ValueError as e:  # e.g. the conversation outgrew the context

@@ -64,14 +64,20 @@ class LLM:
 
     def chat(self, messages: list[dict] | list[list[dict]],
              sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
-             use_tqdm: bool = False, add_generation_prompt: bool = True) -> list[RequestOutput]:
-        """Apply the model's chat template to one conversation or a list of them, then generate."""
+             use_tqdm: bool = False, add_generation_prompt: bool = True,
+             literal_content: bool = True) -> list[RequestOutput]:
+        """Apply the model's chat template to one conversation or a list of them, then generate.
+
+        ``literal_content``: special-token text inside messages (``<|im_end|>``) is
+        tokenized as ordinary text, so message content cannot forge turns; False
+        parses it into control tokens as a plain template-then-tokenize would.
+        """
         tok = self.engine.tokenizer
         if tok is None:
             raise ValueError("this model has no tokenizer and so no chat template")
         convs = [messages] if messages and isinstance(messages[0], dict) else messages
-        prompts = [{"prompt_token_ids": tok.encode(tok.apply_chat_template(
-                       c, add_generation_prompt=add_generation_prompt), add_special_tokens=False)}
+        prompts = [{"prompt_token_ids": tok.encode_chat(c, add_generation_prompt=add_generation_prompt,
+                                                        literal_content=literal_content)}
                    for c in convs]
         return self.generate(prompts, sampling_params, use_tqdm)
 

@@ -14,27 +14,34 @@ import os
 import signal
 import threading
 import time
-from typing import Any, Sequence
+from typing import Sequence
 
 import uvicorn
 from fastapi import Depends, FastAPI, Request
 from fastapi.security import HTTPBearer
-from starlette.middleware.cors import CORSMiddleware
 from starlette.responses import JSONResponse, Response
 
 from trellm.config import EngineConfig, ServerConfig
 from trellm.server.async_engine import AsyncEngine
 from trellm.server.errors import error_response, install_error_handlers
 from trellm.server.metrics import CONTENT_TYPE, RequestCounterMiddleware, ServerMetrics
-from trellm.server.middleware import AuthMiddleware, BodyLimitMiddleware
+from trellm.server.middleware import (
+    AuthMiddleware,
+    BodyLimitMiddleware,
+    ConcurrencyLimitMiddleware,
+    HostAllowlistMiddleware,
+    OpenAICORSMiddleware,
+    host_allowlist,
+)
+from trellm.server.openapi import error_responses, finish_openapi, generation_ok, ok
 from trellm.server.protocol import (
+    ChatCompletionChunk,
     ChatCompletionRequest,
     ChatCompletionResponse,
     CompletionRequest,
     CompletionResponse,
     DetokenizeRequest,
     DetokenizeResponse,
-    ErrorResponse,
     HealthResponse,
     ModelCard,
     ModelList,
@@ -45,25 +52,9 @@ from trellm.server.protocol import (
 from trellm.server.serving_base import ServingContext, check_token_ids, in_thread
 from trellm.server.serving_chat import create_chat_completion, render_prompt
 from trellm.server.serving_completions import create_completion
+from trellm.server.transport import uvicorn_config
 
 log = logging.getLogger("trellm.server")
-
-MAX_HEADER_BYTES = 16 * 1024
-"""h11 refuses a request head larger than this (CVE-2025-48956: huge headers)."""
-
-_ERRORS: dict[int | str, dict[str, Any]] = {
-    s: {"model": ErrorResponse} for s in (400, 401, 404, 405, 408, 413, 500, 503)}
-
-
-def _ok(model: type) -> dict[int | str, dict[str, Any]]:
-    return {200: {"model": model}, **_ERRORS}
-
-
-def _generation_ok(model: type) -> dict[int | str, dict[str, Any]]:
-    """200 is JSON, or server-sent events when ``stream`` is true."""
-    return {200: {"model": model, "content": {"text/event-stream": {"schema": {"type": "string"}}}},
-            **_ERRORS}
-
 
 def default_model_names(model: str) -> tuple[str, ...]:
     """vLLM reports the model argument as given; the embedded default gets a short name."""
@@ -101,43 +92,37 @@ def build_app(engine: AsyncEngine, config: ServerConfig, model_names: Sequence[s
     app.state.ctx = ctx
     app.state.metrics = metrics
     _add_routes(app, ctx, metrics, protected)
-    _document_400_not_422(app)
-    routes = frozenset(r.path for r in app.routes if hasattr(r, "path"))
-    # Added last = outermost: count every answer, then auth, then body limits.
-    app.add_middleware(BodyLimitMiddleware, max_bytes=config.max_request_body_bytes,
-                       timeout_s=config.request_body_timeout_s)
-    if config.api_key:
-        app.add_middleware(AuthMiddleware, api_key=config.api_key)
-    if config.allowed_origins:
-        app.add_middleware(CORSMiddleware, allow_origins=list(config.allowed_origins),
-                           allow_methods=["GET", "POST"], allow_headers=["Authorization", "Content-Type"])
-    app.add_middleware(RequestCounterMiddleware, metrics=metrics, routes=routes)
+    finish_openapi(app, ctx.model_name)
+    _add_guards(app, config, engine, metrics)
     return app
 
 
-def _document_400_not_422(app: FastAPI) -> None:
-    """FastAPI documents 422 for every body; this server answers 400 (errors.py), and a
-    schema that promises otherwise fails contract tests (schemathesis ST103)."""
-    build = app.openapi
-
-    def openapi() -> dict[str, Any]:
-        if app.openapi_schema is None:
-            schema = build()
-            for item in schema.get("paths", {}).values():
-                for op in item.values():
-                    op.get("responses", {}).pop("422", None)
-            schema.get("components", {}).get("schemas", {}).pop("HTTPValidationError", None)
-            schema.get("components", {}).get("schemas", {}).pop("ValidationError", None)
-            app.openapi_schema = schema
-        return app.openapi_schema
-
-    app.openapi = openapi  # type: ignore[method-assign]
+def _add_guards(app: FastAPI, config: ServerConfig, engine: AsyncEngine, metrics: ServerMetrics) -> None:
+    """The pure-ASGI guards. Added last = outermost: count every answer, refuse foreign
+    Host headers, cap in-flight requests, answer CORS preflights (no key needed),
+    check the key, then bound the body."""
+    routes = frozenset(r.path for r in app.routes if hasattr(r, "path"))
+    json_paths = frozenset(r.path for r in app.routes if "POST" in (getattr(r, "methods", None) or ()))
+    app.add_middleware(BodyLimitMiddleware, max_bytes=config.max_request_body_bytes,
+                       timeout_s=config.request_body_timeout_s, json_paths=json_paths)
+    if config.api_key:
+        app.add_middleware(AuthMiddleware, api_key=config.api_key)
+    if config.allowed_origins:
+        # No allow_credentials: the key travels in a header the page must set itself.
+        app.add_middleware(OpenAICORSMiddleware, allow_origins=list(config.allowed_origins),
+                           allow_methods=["GET", "POST"], allow_headers=["Authorization", "Content-Type"])
+    app.add_middleware(ConcurrencyLimitMiddleware, retry_after_s=config.retry_after_s,
+                       limit=max(256, 4 * (engine.max_num_seqs + config.max_queued_requests)))
+    allowed = host_allowlist(config.host, config.allowed_hosts)
+    if allowed is not None:
+        app.add_middleware(HostAllowlistMiddleware, allowed=allowed)
+    app.add_middleware(RequestCounterMiddleware, metrics=metrics, routes=routes)
 
 
 def _add_routes(app: FastAPI, ctx: ServingContext, metrics: ServerMetrics, protected: list) -> None:
     engine = ctx.engine
 
-    @app.get("/health", response_model=None, responses=_ok(HealthResponse))
+    @app.get("/health", response_model=None, responses=ok(HealthResponse))
     async def health() -> Response:
         if engine.healthy:
             return JSONResponse(HealthResponse().model_dump())
@@ -146,23 +131,23 @@ def _add_routes(app: FastAPI, ctx: ServingContext, metrics: ServerMetrics, prote
                               headers={"Retry-After": str(ctx.config.retry_after_s)})
 
     @app.get("/metrics", response_model=None, dependencies=protected,
-             responses={200: {"content": {CONTENT_TYPE: {"schema": {"type": "string"}}}}, **_ERRORS})
+             responses={200: {"content": {CONTENT_TYPE: {"schema": {"type": "string"}}}}, **error_responses()})
     async def prometheus() -> Response:
         return Response(metrics.render(), media_type=CONTENT_TYPE)
 
-    @app.get("/v1/models", response_model=None, dependencies=protected, responses=_ok(ModelList))
+    @app.get("/v1/models", response_model=None, dependencies=protected, responses=ok(ModelList))
     async def models() -> Response:
         created = int(time.time())
         cards = [ModelCard(id=n, created=created, max_model_len=engine.max_model_len) for n in ctx.model_names]
         return JSONResponse(ModelList(data=cards).model_dump())
 
     @app.post("/v1/completions", response_model=None, dependencies=protected,
-              responses=_generation_ok(CompletionResponse))
+              responses=generation_ok(CompletionResponse, CompletionResponse))
     async def completions(body: CompletionRequest, request: Request) -> Response:
         return await create_completion(ctx, body, request)
 
     @app.post("/v1/chat/completions", response_model=None, dependencies=protected,
-              responses=_generation_ok(ChatCompletionResponse))
+              responses=generation_ok(ChatCompletionResponse, ChatCompletionChunk))
     async def chat_completions(body: ChatCompletionRequest, request: Request) -> Response:
         return await create_chat_completion(ctx, body, request)
 
@@ -173,26 +158,27 @@ def _add_tokenizer_routes(app: FastAPI, ctx: ServingContext, protected: list) ->
     """/tokenize, /detokenize, /tokenizer_info: what lm-eval's remote tokenizer calls."""
     engine = ctx.engine
 
-    @app.post("/tokenize", response_model=None, dependencies=protected, responses=_ok(TokenizeResponse))
+    @app.post("/tokenize", response_model=None, dependencies=protected, responses=ok(TokenizeResponse))
     async def tokenize(body: TokenizeRequest) -> Response:
         ctx.check_model(body.model)
         tok = ctx.require_tokenizer()
         if body.messages is not None:
-            ids = await in_thread(render_prompt, ctx, body.messages, body.add_generation_prompt)
+            ids = await in_thread(ctx, "messages", render_prompt, ctx, body.messages, body.add_generation_prompt)
         else:
-            ids = await in_thread(lambda: tok.encode(body.prompt, add_special_tokens=body.add_special_tokens))
+            ids = await in_thread(ctx, "prompt",
+                                  lambda: tok.encode(body.prompt, add_special_tokens=body.add_special_tokens))
         out = TokenizeResponse(count=len(ids), max_model_len=engine.max_model_len, tokens=ids)
         return JSONResponse(out.model_dump())
 
-    @app.post("/detokenize", response_model=None, dependencies=protected, responses=_ok(DetokenizeResponse))
+    @app.post("/detokenize", response_model=None, dependencies=protected, responses=ok(DetokenizeResponse))
     async def detokenize(body: DetokenizeRequest) -> Response:
         ctx.check_model(body.model)
         tok = ctx.require_tokenizer()
         check_token_ids(ctx, body.tokens, "tokens")
-        text = await in_thread(lambda: tok.decode(body.tokens, skip_special_tokens=False))
+        text = await in_thread(ctx, "tokens", lambda: tok.decode(body.tokens, skip_special_tokens=False))
         return JSONResponse(DetokenizeResponse(prompt=text).model_dump())
 
-    @app.get("/tokenizer_info", response_model=None, dependencies=protected, responses=_ok(TokenizerInfo))
+    @app.get("/tokenizer_info", response_model=None, dependencies=protected, responses=ok(TokenizerInfo))
     async def tokenizer_info() -> Response:
         tok = ctx.require_tokenizer()
         info = TokenizerInfo(
@@ -246,15 +232,12 @@ def run_server(engine_config: EngineConfig, config: ServerConfig, model_names: S
         timer.start()
 
     async_engine = AsyncEngine(engine, max_queued_requests=config.max_queued_requests,
-                               engine_step_timeout_s=config.engine_step_timeout_s, on_dead=on_dead)
+                               engine_step_timeout_s=config.engine_step_timeout_s,
+                               max_queue_wait_s=config.max_queue_wait_s, on_dead=on_dead)
     app = build_app(async_engine, config, model_names)
-    max_seqs = engine_config.scheduler.max_num_seqs
-    uv_config = uvicorn.Config(
-        app, host=config.host, port=config.port, http="h11", lifespan="on", log_config=None,
-        h11_max_incomplete_event_size=MAX_HEADER_BYTES, timeout_keep_alive=5,
-        # uvicorn answers 503 itself beyond this many connections/requests at once.
-        limit_concurrency=max(256, 4 * (max_seqs + config.max_queued_requests)),
-        timeout_graceful_shutdown=config.shutdown_timeout_s + 5.0)
+    uv_config = uvicorn_config(app, host=config.host, port=config.port,
+                               header_timeout_s=config.request_header_timeout_s,
+                               shutdown_timeout_s=config.shutdown_timeout_s + 5.0)
     server = _DrainingServer(uv_config, async_engine, config.shutdown_timeout_s)
     # uvicorn re-raises the signal it caught once it has shut down; a no-op SIGTERM
     # handler makes a drained shutdown end with status 0 instead of "killed by SIGTERM".

@@ -45,6 +45,10 @@ class QueueFullError(RuntimeError):
     """Admitting the request would exceed the waiting-queue cap."""
 
 
+class QueueTimeoutError(RuntimeError):
+    """The request waited longer than ``max_queue_wait_s`` without ever being scheduled."""
+
+
 class ServerStoppingError(RuntimeError):
     """The server is draining or stopped: no new requests, or this one was cut short."""
 
@@ -175,12 +179,14 @@ class AsyncEngine:
         engine: a ready ``trellm.engine.engine.Engine``; no one else may touch it afterwards.
         max_queued_requests: sequences allowed to wait for a free seat; more -> ``QueueFullError``.
         engine_step_timeout_s: watchdog; a step running longer kills the engine (0 = off).
+        max_queue_wait_s: a request not yet scheduled after this long ends with
+            ``QueueTimeoutError`` and is removed from the queue (0 = no deadline).
         on_dead: called once on the event loop when the engine dies (the server exits).
         listener: optional timing observer (metrics).
     """
 
     def __init__(self, engine: Any, *, max_queued_requests: int = 256, engine_step_timeout_s: float = 0.0,
-                 on_dead: Callable[[BaseException], None] | None = None,
+                 max_queue_wait_s: float = 0.0, on_dead: Callable[[BaseException], None] | None = None,
                  listener: OutputListener | None = None):
         self.engine = engine
         self.tokenizer = engine.tokenizer
@@ -188,6 +194,7 @@ class AsyncEngine:
         self.vocab_size: int = engine.vocab_size
         self.max_queued_requests = max_queued_requests
         self.step_timeout_s = engine_step_timeout_s
+        self.max_queue_wait_s = max_queue_wait_s
         self.on_dead = on_dead
         self.listener = listener
         self.max_num_seqs: int = engine.config.scheduler.max_num_seqs
@@ -344,6 +351,8 @@ class AsyncEngine:
                     return
                 if self.engine.has_unfinished_requests():
                     self._step()
+                    if self.max_queue_wait_s > 0:
+                        self._expire_waiting()
         except BaseException as e:  # the engine's state is unknown now: nothing may continue
             log.exception("the engine loop failed")
             self._post(self._on_failure, e)
@@ -405,6 +414,16 @@ class AsyncEngine:
         self._num_steps += 1
         self._publish(outputs)
 
+    def _expire_waiting(self) -> None:
+        """Abort requests that have waited past the deadline without ever being
+        scheduled (a preempted request was scheduled once and keeps its place)."""
+        cutoff = time.monotonic() - self.max_queue_wait_s
+        expired = sorted({r.group_id or r.request_id for r in self.engine.scheduler.waiting
+                          if r.num_cached_tokens < 0 and r.arrival_time < cutoff})
+        if expired:
+            self.engine.abort_request(expired)
+            self._post(self._fail_expired, expired)
+
     def _snapshot(self) -> EngineStats:
         sched = self.engine.scheduler
         kv = self.engine.kv
@@ -454,6 +473,16 @@ class AsyncEngine:
             stream.num_tokens = num_tokens
         if out.finished and self.listener is not None:
             self.listener.on_finished(out, now - stream.arrival)
+
+    def _fail_expired(self, request_ids: list[str]) -> None:
+        for rid in request_ids:
+            stream = self._streams.pop(rid, None)
+            if stream is None:
+                continue
+            stream._fail(QueueTimeoutError(f"the request waited more than {self.max_queue_wait_s:g} s for "
+                                           "a free seat; the server is overloaded"))
+            if self.listener is not None:
+                self.listener.on_ended("queue_timeout")
 
     def _on_failure(self, exc: BaseException) -> None:
         if self._dead is not None:

@@ -23,11 +23,12 @@ log = logging.getLogger("trellm.server")
 _TYPES = {
     400: "invalid_request_error", 401: "invalid_request_error", 404: "invalid_request_error",
     405: "invalid_request_error", 408: "invalid_request_error", 413: "invalid_request_error",
-    415: "invalid_request_error", 422: "invalid_request_error", 429: "rate_limit_error",
+    415: "invalid_request_error", 421: "invalid_request_error", 422: "invalid_request_error",
+    429: "rate_limit_error",
     500: "server_error", 503: "service_unavailable_error",
 }
 _CODES = {404: "not_found", 405: "method_not_allowed", 408: "request_timeout",
-          413: "request_too_large", 500: "internal_error"}
+          413: "request_too_large", 415: "unsupported_media_type", 500: "internal_error"}
 _FIELD = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
 # pydantic puts the union member or validator kind into ``loc`` (e.g. "list[int]",
 # "function-after[...]", "str"); those are not field names.
@@ -107,7 +108,8 @@ def _most_telling(errors: list[dict]) -> dict:
     member reports an error; a plain type mismatch ("should be a valid string") says
     least, so prefer an error from the member whose type did match."""
     for e in errors:
-        if not str(e.get("type", "")).endswith("_type"):
+        kind = str(e.get("type", ""))
+        if not kind.endswith("_type") and kind != "none_required":
             return e
     return errors[0]
 
@@ -122,6 +124,9 @@ def _validation_message(errors: list[dict]) -> tuple[str, str | None]:
         return "the request body must be a JSON object", None
     if first.get("type") == "missing" and param is None:
         return "the request body is missing", None
+    if first.get("type") == "none_required" and param is not None:
+        # Fields declared only to refuse them (protocol.Unsupported).
+        return f"{param} is not supported by this server", param
     text = f"{param}: {msg}" if param else msg
     if len(errors) > 1:
         text += f" (and {len(errors) - 1} more problem{'s' if len(errors) > 2 else ''})"

@@ -1,4 +1,5 @@
-"""Pure-ASGI guards that run before any route: API key, body size and body deadline.
+"""Pure-ASGI guards that run before any route: Host allowlist, in-flight request cap,
+CORS, API key, body size and body deadline.
 
 They read ``scope["path"]`` (what the router matches), never ``request.url``, which
 Starlette rebuilds from the Host header (CVE-2026-48710: ``Host: x/health?`` made a
@@ -9,12 +10,17 @@ from __future__ import annotations
 import asyncio
 import hashlib
 import hmac
+import json
 import time
+from typing import Iterable
 
+from starlette.datastructures import Headers
 from starlette.exceptions import HTTPException
+from starlette.middleware.cors import CORSMiddleware
+from starlette.responses import Response
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from trellm.server.errors import send_asgi_error
+from trellm.server.errors import error_body, send_asgi_error
 
 PUBLIC_PATHS = frozenset({"/health"})
 """Routes that need no key. Everything else is denied by default."""
@@ -63,7 +69,12 @@ class BodyTimeout(HTTPException):
 
 
 class BodyLimitMiddleware:
-    """413 for bodies over the limit and 408 for bodies that arrive too slowly.
+    """415 for a POST whose body is not declared JSON, 413 for bodies over the limit and
+    408 for bodies that arrive too slowly.
+
+    Requiring ``Content-Type: application/json`` also keeps a web page from starting
+    inference on a loopback server: the media types a page may POST without a CORS
+    preflight (text/plain, forms, none) are all refused.
 
     A declared Content-Length over the limit is refused before the app runs. A
     chunked body is counted as it streams in; the route's body read then raises an
@@ -77,14 +88,20 @@ class BodyLimitMiddleware:
 
     DRAIN_FACTOR = 4
 
-    def __init__(self, app: ASGIApp, max_bytes: int, timeout_s: float):
+    def __init__(self, app: ASGIApp, max_bytes: int, timeout_s: float, json_paths: frozenset[str] = frozenset()):
         self.app = app
         self.max_bytes = max_bytes
         self.timeout_s = timeout_s
+        self.json_paths = json_paths
+        """Routes that take a JSON body (POST elsewhere is the router's 404 or 405)."""
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
             await self.app(scope, receive, send)
+            return
+        if scope["method"] == "POST" and scope["path"] in self.json_paths and not _is_json(scope):
+            await send_asgi_error(send, 415, "the request body must be JSON (Content-Type: application/json)",
+                                  code="unsupported_media_type")
             return
         declared = _content_length(scope)
         if declared is not None and declared > self.max_bytes:
@@ -135,6 +152,14 @@ class BodyLimitMiddleware:
         return limited
 
 
+def _is_json(scope: Scope) -> bool:
+    for k, v in scope.get("headers", ()):
+        if k == b"content-type":
+            media = v.split(b";", 1)[0].strip().lower()
+            return media == b"application/json" or (media.startswith(b"application/") and media.endswith(b"+json"))
+    return False
+
+
 def _content_length(scope: Scope) -> int | None:
     for k, v in scope.get("headers", ()):
         if k == b"content-length":
@@ -143,3 +168,109 @@ def _content_length(scope: Scope) -> int | None:
             except ValueError:
                 return None
     return None
+
+
+# ---- Host allowlist (DNS rebinding) ---------------------------------------------------------
+
+LOOPBACK_NAMES = frozenset({"localhost", "127.0.0.1", "::1"})
+
+
+def host_allowlist(bind_host: str, allowed_hosts: Iterable[str]) -> frozenset[str] | None:
+    """The Host-header names to accept, or None for any.
+
+    A server bound to loopback is reachable only from this machine, yet a web page can
+    still reach it: after DNS rebinding, ``attacker.example`` resolves to 127.0.0.1 and
+    the browser sends ``Host: attacker.example``. Only the loopback names (plus the
+    bound address and ``--allowed-hosts``) are accepted then. Bound elsewhere, the
+    names clients use are unknown, so the check applies only when names are given.
+    """
+    extra = {h.lower().strip("[]") for h in allowed_hosts}
+    if "*" in extra:
+        return None
+    bind = bind_host.lower().strip("[]")
+    loopback = bind in LOOPBACK_NAMES or bind.startswith("127.")
+    if not loopback and not extra:
+        return None
+    names = set(LOOPBACK_NAMES) | extra
+    if bind not in ("0.0.0.0", "::", ""):
+        names.add(bind)
+    return frozenset(names)
+
+
+def _host_name(value: bytes) -> str:
+    """``example.com:8000`` -> ``example.com``; ``[::1]:8000`` -> ``::1`` (lower case)."""
+    text = value.decode("latin-1").strip().lower()
+    if text.startswith("["):
+        inner, sep, rest = text[1:].partition("]")
+        return inner if sep and (not rest or (rest[0] == ":" and rest[1:].isdigit())) else text
+    name, sep, port = text.rpartition(":")
+    return name if sep and port.isdigit() and ":" not in name else text
+
+
+class HostAllowlistMiddleware:
+    """421 for a Host header not in the allowlist (``host_allowlist``).
+
+    A request without Host (HTTP/1.0) passes: browsers always send one, so it cannot
+    be a rebinding attack.
+    """
+
+    def __init__(self, app: ASGIApp, allowed: frozenset[str]):
+        self.app = app
+        self.allowed = allowed
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] == "http":
+            hosts = [v for k, v in scope.get("headers", ()) if k == b"host"]
+            if len(hosts) > 1 or (hosts and _host_name(hosts[0]) not in self.allowed):
+                await send_asgi_error(send, 421, "the Host header names a host this server does not serve "
+                                                 "(see --allowed-hosts)", code="invalid_host")
+                return
+        await self.app(scope, receive, send)
+
+
+# ---- in-flight request cap ---------------------------------------------------------------
+
+
+class ConcurrencyLimitMiddleware:
+    """503 + Retry-After once ``limit`` HTTP requests are in flight.
+
+    Counts requests, not connections (uvicorn's ``limit_concurrency`` counts both, so
+    idle connections could lock every client out). ``/health`` is exempt: it is how
+    a supervisor tells "busy" from "dead".
+    """
+
+    def __init__(self, app: ASGIApp, limit: int, retry_after_s: int):
+        self.app = app
+        self.limit = limit
+        self.retry_after_s = retry_after_s
+        self.in_flight = 0
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http" or scope["path"] in PUBLIC_PATHS:
+            await self.app(scope, receive, send)
+            return
+        if self.in_flight >= self.limit:
+            await send_asgi_error(send, 503, f"the server is handling {self.limit} requests; retry later",
+                                  code="too_many_requests", headers={"Retry-After": str(self.retry_after_s)})
+            return
+        self.in_flight += 1
+        try:
+            await self.app(scope, receive, send)
+        finally:
+            self.in_flight -= 1
+
+
+# ---- CORS ------------------------------------------------------------------------------------
+
+
+class OpenAICORSMiddleware(CORSMiddleware):
+    """Starlette's CORS with its refused preflight in OpenAI's error shape (400)."""
+
+    def preflight_response(self, request_headers: Headers) -> Response:
+        response = super().preflight_response(request_headers)
+        if response.status_code == 200:
+            return response
+        message = bytes(response.body).decode("utf-8", "replace")
+        body = json.dumps(error_body(400, message.lower(), code="cors_rejected")).encode()
+        headers = {k: v for k, v in response.headers.items() if k not in ("content-length", "content-type")}
+        return Response(body, status_code=400, headers=headers, media_type="application/json")

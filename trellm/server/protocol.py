@@ -7,7 +7,10 @@ Validation rules (reliability.md §2, §5.2), applied here once for every route:
 - every list and every number has a hard cap, so no single request can ask for
   unbounded work; tighter, configurable caps (``ServerConfig``) and the checks that
   need the model (vocabulary, context length) are applied in ``serving_base``;
-- unknown fields are ignored, as OpenAI does, because SDKs add fields over time.
+- unknown fields are ignored, as OpenAI does, because SDKs add fields over time;
+  but fields that ask for something this server does not do (structured output,
+  tools, a client chat template) are declared ``Unsupported`` and refused with a
+  400, since ignoring them would return an answer the client did not ask for.
 """
 from __future__ import annotations
 
@@ -52,6 +55,10 @@ TokenId = Annotated[int, Field(strict=True, ge=0, le=MAX_TOKEN_ID)]
 TokenIds = Annotated[list[TokenId], Field(min_length=1)]
 
 
+Unsupported = Annotated[None, Field(description="Not supported by this server: omit it or send null.")]
+"""A field refused with a 400 (``<field> is not supported``) unless absent or null."""
+
+
 def _int(lo: int, hi: int) -> Any:
     return Annotated[int, Field(strict=True, ge=lo, le=hi)]
 
@@ -73,11 +80,16 @@ class StreamOptions(_Request):
     include_usage: StrictBool = False
 
 
+class ResponseFormat(_Request):
+    type: Literal["text"]
+    """Structured output (json_object / json_schema) is not supported: a 400, not ignored."""
+
+
 class SamplingFields(_Request):
     """Fields both generation routes share (OpenAI's plus vLLM's extensions)."""
 
     model: Name | None = Field(default=None, examples=["SmolLM2-135M-Instruct"])
-    """Omitted = the served model."""
+    """Omitted = the served model. (The app puts the served names in the schema's examples.)"""
     n: _int(1, MAX_N) = 1
     temperature: _float(0.0, 2.0) | None = None
     top_p: _float(0.0, 1.0, lo_open=True) | None = None
@@ -98,6 +110,18 @@ class SamplingFields(_Request):
     stream: StrictBool = False
     stream_options: StreamOptions | None = None
     user: Text | None = None
+    response_format: ResponseFormat | None = None
+    # Structured output and custom logits processors (vLLM's names): no grammar is
+    # ever compiled here, so a hostile regex or schema cannot reach the engine.
+    guided_json: Unsupported = None
+    guided_regex: Unsupported = None
+    guided_choice: Unsupported = None
+    guided_grammar: Unsupported = None
+    guided_decoding_backend: Unsupported = None
+    structured_outputs: Unsupported = None
+    logits_processors: Unsupported = None
+    prompt_logprobs: Unsupported = None
+    """Prompt log-probs come with ``echo`` + ``logprobs`` on /v1/completions."""
 
     @field_validator("logit_bias")
     @classmethod
@@ -131,6 +155,10 @@ TokenIdsList = Annotated[list[TokenIds], Field(min_length=1, max_length=MAX_PROM
 
 
 class CompletionRequest(SamplingFields):
+    model_config = ConfigDict(json_schema_extra={"examples": [
+        {"model": "SmolLM2-135M-Instruct", "prompt": "The capital of France is", "max_tokens": 8,
+         "temperature": 0}]})
+
     prompt: NonEmptyText | PromptList | TokenIds | TokenIdsList = Field(examples=["Hello, my name is"])
     echo: StrictBool = False
     logprobs: _int(0, MAX_LOGPROBS) | None = None
@@ -211,20 +239,31 @@ class ChatMessage(_Request):
         return "\n".join(p.text for p in self.content)
 
 
-class ResponseFormat(_Request):
-    type: Literal["text"]
-    """Structured output (json_object / json_schema) is not supported: a 400, not ignored."""
+class TemplateKwargs(_Request):
+    """The only template switches a client may set (CVE-2025-62426: client dicts are
+    never splatted into the renderer); anything else is a 400."""
+
+    model_config = ConfigDict(extra="forbid")
+    enable_thinking: StrictBool | None = None
 
 
 class ChatCompletionRequest(SamplingFields):
+    model_config = ConfigDict(json_schema_extra={"examples": [
+        {"model": "SmolLM2-135M-Instruct", "messages": [{"role": "user", "content": "Say hi."}],
+         "max_tokens": 8, "temperature": 0}]})
+
     messages: Annotated[list[ChatMessage], Field(min_length=1, max_length=MAX_MESSAGES)]
     max_completion_tokens: _int(1, MAX_TOKENS) | None = None
     logprobs: StrictBool = False
     top_logprobs: _int(0, MAX_LOGPROBS) | None = None
-    response_format: ResponseFormat | None = None
     tools: Annotated[list[dict[str, Any]], Field(max_length=0)] | None = None
     """Tool calling is not supported; an empty list (some clients send one) is fine."""
     tool_choice: Literal["none"] | None = None
+    functions: Unsupported = None
+    function_call: Unsupported = None
+    chat_template: Unsupported = None
+    """The model's own template is always used: a client template would be code."""
+    chat_template_kwargs: TemplateKwargs | None = None
     add_generation_prompt: StrictBool = True
 
     @model_validator(mode="after")
@@ -310,6 +349,10 @@ class ModelList(_Response):
 
 
 class TokenizeRequest(_Request):
+    model_config = ConfigDict(json_schema_extra={"oneOf": [  # exactly one input (see _one_input)
+        {"required": ["prompt"], "properties": {"prompt": {"type": "string"}}},
+        {"required": ["messages"], "properties": {"messages": {"type": "array"}}}]})
+
     model: Name | None = None
     prompt: Text | None = None
     messages: Annotated[list[ChatMessage], Field(min_length=1, max_length=MAX_MESSAGES)] | None = None

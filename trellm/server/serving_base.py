@@ -12,8 +12,8 @@ import math
 from dataclasses import dataclass
 from typing import Any, AsyncIterator, Awaitable, Callable, Iterator, Sequence, TypeVar
 
+import anyio.to_thread
 from fastapi import Request
-from starlette.concurrency import run_in_threadpool
 
 from trellm.config import ServerConfig
 from trellm.engine.types import RequestOutput, TokenLogprobs
@@ -23,6 +23,7 @@ from trellm.server.async_engine import (
     EngineDeadError,
     NewRequest,
     QueueFullError,
+    QueueTimeoutError,
     RequestStream,
     ServerStoppingError,
 )
@@ -130,8 +131,8 @@ def output_budget(ctx: ServingContext, num_prompt_tokens: int, requested: int | 
         requested = limit - num_prompt_tokens
         if requested < 1:
             raise bad_request(
-                f"This model's maximum context length is {limit} tokens. However, the {prompt_param} "
-                f"is {num_prompt_tokens} tokens, which leaves no room for a completion.",
+                f"This model's maximum context length is {limit} tokens. However, the input "
+                f"({prompt_param}) is {num_prompt_tokens} tokens, which leaves no room for a completion.",
                 param=prompt_param, code="context_length_exceeded")
         return requested
     if num_prompt_tokens + requested > limit:
@@ -151,10 +152,19 @@ def check_token_ids(ctx: ServingContext, ids: Sequence[int], param: str) -> None
             raise bad_request(f"token id {t} is outside the vocabulary (ids 0..{vocab - 1})", param=param)
 
 
-async def in_thread(fn: Callable[..., T], *args: Any) -> T:
-    """Tokenizing and template rendering cost O(input); keep them off the event loop."""
+async def in_thread(ctx: ServingContext, param: str, fn: Callable[..., T], *args: Any) -> T:
+    """Tokenizing and template rendering cost O(input): run them off the event loop,
+    within ``--tokenize-timeout`` (a 400 for ``param`` beyond it). A thread cannot be
+    stopped, so one that overruns is abandoned and finishes on its own; inputs are
+    bounded by the body limit, so it does finish."""
+    timeout_s = ctx.config.tokenize_timeout_s
     with value_errors():
-        return await run_in_threadpool(fn, *args)
+        try:
+            with anyio.fail_after(timeout_s):
+                return await anyio.to_thread.run_sync(fn, *args, abandon_on_cancel=True)
+        except TimeoutError:
+            raise bad_request(f"preparing the input took longer than {timeout_s:g} s; send a shorter one",
+                              param=param, code="tokenization_timeout") from None
 
 
 # ---- engine errors ----------------------------------------------------------------------
@@ -182,6 +192,8 @@ def engine_error(ctx: ServingContext, e: BaseException, admitted: bool = True) -
     retry = ctx.config.retry_after_s
     if isinstance(e, QueueFullError):
         return unavailable(str(e), retry, "queue_full")
+    if isinstance(e, QueueTimeoutError):
+        return unavailable(str(e), retry, "queue_timeout")
     if isinstance(e, ServerStoppingError):
         return unavailable(str(e), retry, "shutting_down")
     if isinstance(e, EngineDeadError):

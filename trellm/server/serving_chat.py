@@ -2,6 +2,8 @@
 
 Messages are rendered with the model's own (sandboxed) template, off the event
 loop, and tokenized without adding special tokens again (the template has them).
+Special-token text inside message content is tokenized as plain text
+(``Tokenizer.encode_chat``), so a message cannot forge a turn.
 """
 from __future__ import annotations
 
@@ -24,6 +26,7 @@ from trellm.server.protocol import (
     ChatMessageOut,
     ChoiceLogprobs,
     DeltaMessage,
+    TemplateKwargs,
     TokenLogprob,
     TopLogprob,
 )
@@ -46,15 +49,16 @@ from trellm.server.serving_base import (
 )
 
 
-def render_prompt(ctx: ServingContext, req_messages, add_generation_prompt: bool) -> list[int]:
+def render_prompt(ctx: ServingContext, req_messages, add_generation_prompt: bool,
+                  template_kwargs: TemplateKwargs | None = None) -> list[int]:
     """Template + tokenize (blocking: call through ``in_thread``)."""
     tok = ctx.engine.tokenizer
     if tok is None or not tok.chat_template:
         raise ValueError("this model has no chat template; use /v1/completions")
     messages = [{"role": "system" if m.role == "developer" else m.role, "content": m.text()}
                 for m in req_messages]
-    text = tok.apply_chat_template(messages, add_generation_prompt=add_generation_prompt)
-    return tok.encode(text, add_special_tokens=False)
+    extra = template_kwargs.model_dump(exclude_none=True) if template_kwargs else {}
+    return tok.encode_chat(messages, add_generation_prompt=add_generation_prompt, **extra)
 
 
 async def create_chat_completion(ctx: ServingContext, req: ChatCompletionRequest, raw: Request) -> Response:
@@ -62,7 +66,8 @@ async def create_chat_completion(ctx: ServingContext, req: ChatCompletionRequest
     ctx.check_accepting()
     top_n = (req.top_logprobs or 0) if req.logprobs else None
     check_limits(ctx, req, top_n)
-    ids = await in_thread(render_prompt, ctx, req.messages, req.add_generation_prompt)
+    ids = await in_thread(ctx, "messages", render_prompt, ctx, req.messages, req.add_generation_prompt,
+                          req.chat_template_kwargs)
     if not ids:
         raise bad_request("the conversation renders to an empty prompt", param="messages")
     limit = req.output_limit()

@@ -100,7 +100,7 @@ async def _tokenize_prompts(ctx: ServingContext, req: CompletionRequest) -> list
             check_token_ids(ctx, ids, "prompt")
         return [_Prompt(None, list(ids)) for ids in id_lists]  # type: ignore[arg-type]
     tok = ctx.require_tokenizer()
-    id_lists = await in_thread(lambda: [tok.encode(t) for t in texts])
+    id_lists = await in_thread(ctx, "prompt", lambda: [tok.encode(t) for t in texts])
     for ids in id_lists:
         if not ids:
             raise bad_request("the prompt is empty after tokenization", param="prompt")

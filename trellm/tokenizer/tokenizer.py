@@ -18,6 +18,10 @@ from tokenizers import AddedToken, Regex, decoders, models, pre_tokenizers, proc
 from trellm.loader.errors import ModelLoadError, first_line
 from trellm.tokenizer.chat_template import render_chat_template
 
+_GIL_FREE_CHARS = 4096
+"""Longer texts are encoded through ``encode_batch``, which releases the GIL: a plain
+``encode`` of a 1.5 MB prompt holds it for seconds, freezing a server's event loop."""
+
 # llama.cpp token types (gguf.TokenType).
 _CONTROL, _USER_DEFINED = 3, 4
 
@@ -71,6 +75,7 @@ class Tokenizer:
         special |= {i for i in (bos_token_id, eos_token_id, unk_token_id, pad_token_id) if i is not None}
         self.all_special_ids: list[int] = sorted(special)
         self._special = frozenset(special)
+        self._literal_hf: tokenizers.Tokenizer | None = None
         self.add_bos_token: bool = (bos_token_id is not None
                                     and bos_token_id in hf.encode("", add_special_tokens=True).ids)
         """Whether ``encode(..., add_special_tokens=True)`` starts with BOS."""
@@ -90,8 +95,51 @@ class Tokenizer:
 
     # ---- encode / decode -------------------------------------------------------------
 
+    @property
+    def special_ids(self) -> frozenset[int]:
+        """Ids of special (control) tokens: added special tokens plus BOS/EOS/UNK/PAD."""
+        return self._special
+
+    @property
+    def special_token_strings(self) -> list[str]:
+        return [t for t in (self.hf.id_to_token(i) for i in self.all_special_ids) if t]
+
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
-        return self.hf.encode(text, add_special_tokens=add_special_tokens).ids
+        return self.encoding(text, add_special_tokens).ids
+
+    def encoding(self, text: str, add_special_tokens: bool = True, literal: bool = False) -> tokenizers.Encoding:
+        """The ``tokenizers.Encoding`` (ids and character offsets). ``literal``: special-
+        token text is tokenized as ordinary text instead of becoming control tokens."""
+        hf = self._literal() if literal else self.hf
+        if len(text) > _GIL_FREE_CHARS:
+            return hf.encode_batch([text], add_special_tokens=add_special_tokens)[0]
+        return hf.encode(text, add_special_tokens=add_special_tokens)
+
+    def _literal(self) -> tokenizers.Tokenizer:
+        # A copy rather than toggling ``encode_special_tokens`` on the shared one: a
+        # server tokenizes from several threads at once.
+        if self._literal_hf is None:
+            literal = tokenizers.Tokenizer.from_str(self.hf.to_str())
+            literal.encode_special_tokens = True
+            self._literal_hf = literal
+        return self._literal_hf
+
+    def encode_chat(self, messages: list[dict], add_generation_prompt: bool = True,
+                    literal_content: bool = True, **kwargs: Any) -> list[int]:
+        """Token ids of a conversation rendered with the chat template.
+
+        ``literal_content`` (the default): special-token text typed into a message
+        (``<|im_end|>``, ``</s>``) is tokenized as ordinary text, so content cannot
+        forge a turn or an end of text; the template's own special tokens stay
+        control tokens. False: the rendered string is tokenized as a whole, special
+        tokens parsed everywhere (transformers' ``apply_chat_template(tokenize=True)``).
+        """
+        if not literal_content:
+            text = self.apply_chat_template(messages, add_generation_prompt=add_generation_prompt, **kwargs)
+            return self.encode(text, add_special_tokens=False)
+        from trellm.tokenizer.chat_encoding import encode_chat
+
+        return encode_chat(self, messages, add_generation_prompt=add_generation_prompt, **kwargs)
 
     def decode(self, ids: Iterable[int], skip_special_tokens: bool = True) -> str:
         ids = list(ids)
@@ -99,6 +147,8 @@ class Tokenizer:
             # tokenizers skips only *added* special tokens; BOS/EOS that live in the
             # base vocabulary must go too.
             ids = [i for i in ids if i not in self._special]
+        if len(ids) > _GIL_FREE_CHARS:  # as in ``encoding``: the batch call releases the GIL
+            return self.hf.decode_batch([ids], skip_special_tokens=skip_special_tokens)[0]
         return self.hf.decode(ids, skip_special_tokens=skip_special_tokens)
 
     def convert_ids_to_tokens(self, ids: int | Iterable[int]) -> str | None | list[str | None]:
