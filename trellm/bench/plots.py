@@ -28,3 +28,34 @@ def plot_latency(rows: list[dict], title: str, path: str | Path) -> None:
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
+
+
+def plot_decode_vs_context(ladder: dict[str, dict], title: str, path: str | Path,
+                           roofline: dict[str, float] | None = None) -> None:
+    """Decode tok/s (first token excluded) against context length, log-scaled x.
+    ``ladder``: {context tokens (str or int): {"decode_tok_s": float, ...}};
+    ``roofline``: optional {context: tok/s} drawn dashed beside it."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    ctx = sorted(int(k) for k in ladder)
+    fig, ax = plt.subplots(figsize=(6, 4))
+    ax.plot(ctx, [ladder[str(c)]["decode_tok_s"] for c in ctx], "o-", color="#2b6cb0", label="trellm")
+    for c in ctx:
+        ax.annotate(f"{ladder[str(c)]['decode_tok_s']:.0f}", (c, ladder[str(c)]["decode_tok_s"]),
+                    textcoords="offset points", xytext=(0, 6), ha="center", fontsize=8)
+    if roofline:
+        rc = sorted(int(k) for k in roofline)
+        ax.plot(rc, [roofline[str(c)] for c in rc], "--", color="#718096", label="bandwidth roofline")
+    ax.set_xscale("log", base=2)
+    ax.set_xticks(ctx, [f"{c // 1024}k" if c >= 1024 else str(c) for c in ctx])
+    ax.set_xlabel("context (tokens)")
+    ax.set_ylabel("decode tok/s, 1 stream")
+    ax.set_ylim(bottom=0)
+    ax.legend(fontsize=8)
+    ax.set_title(title, fontsize=10)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
