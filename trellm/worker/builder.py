@@ -16,6 +16,7 @@ from trellm.model.config import ArchConfig
 from trellm.model.registry import get_model_class
 from trellm.quant.gguf_int4 import Q4_TYPES, Q4Tensor, cache_dense_weight, is_linear_weight
 from trellm.worker.cuda_graph import BUCKETS, DecodeGraphs
+from trellm.worker.memory_profile import profile_step_bytes
 from trellm.worker.model_runner import ModelRunner
 
 log = logging.getLogger("trellm")
@@ -78,7 +79,12 @@ def build_worker(config: EngineConfig) -> WorkerInfo:
         model.use_int8_lm_head()
         _cache_prefill_weights(model, mc.prefill_weight_cache_memory)
     backend = get_attention_backend(device, dtype)
-    num_blocks = _num_blocks(config, arch, dtype, device)
+    # CUDA + Triton: the model's fused-kernel path, then decode graphs.
+    ops = fused_ops(device) if backend.name == "triton" else None
+    num_blocks = _num_blocks(config, arch, dtype, device,
+                             lambda: profile_step_bytes(model, backend, ops, config.scheduler.max_num_batched_tokens,
+                                                        cc.block_size, (arch.num_kv_heads, arch.head_dim, 0),
+                                                        arch.num_layers, dtype, device, max_len))
     shape = (2, num_blocks, cc.block_size, arch.num_kv_heads, arch.head_dim)
     try:
         kv_caches = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(arch.num_layers)]
@@ -90,8 +96,8 @@ def build_worker(config: EngineConfig) -> WorkerInfo:
     runner = ModelRunner(model, backend, kv_caches, cc.block_size, eos, device)
     # A request must fit in the pool on its own, or it could never be scheduled.
     max_len = min(max_len, num_blocks * cc.block_size)
-    if backend.name == "triton":  # CUDA: the model's fused-kernel path, then decode graphs
-        runner.ops = fused_ops(device)
+    if ops is not None:
+        runner.ops = ops
         if not mc.enforce_eager:
             runner.graphs = DecodeGraphs(model, backend, kv_caches, cc.block_size, max_len,
                                          min(config.scheduler.max_num_seqs, BUCKETS[-1]), device,
@@ -116,6 +122,18 @@ def _cache_prefill_weights(model: torch.nn.Module, budget: int) -> None:
     for m in layers:
         cache_dense_weight(m)
     log.info("prefill: float32 copies of the int4 linear weights kept (%.0f MiB)", need / 2**20)
+
+
+def _step_bytes(config: EngineConfig, arch: ArchConfig, profile_step) -> int:
+    """Memory a full step needs beside weights and KV: measured by a profiling forward,
+    or (if that fails) a rough bound: float32 logits plus a few hidden-sized buffers
+    per batched token."""
+    try:
+        return profile_step()
+    except (RuntimeError, ValueError) as e:  # e.g. out of memory: fall back, say so
+        log.warning("profiling forward failed (%s); estimating activation memory", str(e).splitlines()[0])
+        torch.cuda.empty_cache()
+        return config.scheduler.max_num_batched_tokens * (arch.vocab_size * 4 + arch.intermediate_size * 12)
 
 
 def _all_linears_q4(ckpt: Checkpoint) -> bool:
@@ -155,7 +173,7 @@ def _bytes_per_block(config: EngineConfig, arch: ArchConfig, dtype: torch.dtype)
     return 2 * arch.num_layers * config.cache.block_size * arch.num_kv_heads * arch.head_dim * elem
 
 
-def _num_blocks(config: EngineConfig, arch: ArchConfig, dtype, device) -> int:
+def _num_blocks(config: EngineConfig, arch: ArchConfig, dtype, device, profile_step) -> int:
     cc = config.cache
     if cc.num_gpu_blocks_override is not None:
         return cc.num_gpu_blocks_override
@@ -163,12 +181,9 @@ def _num_blocks(config: EngineConfig, arch: ArchConfig, dtype, device) -> int:
     if cc.kv_cache_memory is not None:
         budget = cc.kv_cache_memory
     elif device.type == "cuda":
+        act = _step_bytes(config, arch, profile_step)
         free, total = torch.cuda.mem_get_info(device)
-        used = total - free
-        # Leave room for activations of a full step (a rough bound: the LM head's
-        # float32 logits plus a few hidden-sized buffers per batched token).
-        act = config.scheduler.max_num_batched_tokens * (arch.vocab_size * 4 + arch.intermediate_size * 12)
-        budget = int(total * cc.gpu_memory_utilization) - used - act
+        budget = int(total * cc.gpu_memory_utilization) - (total - free) - act
     else:
         budget = cc.cpu_kv_cache_default
     blocks = budget // per_block
