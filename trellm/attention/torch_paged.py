@@ -63,30 +63,29 @@ class TorchPagedAttention:
                 kv_cache: torch.Tensor, meta: AttentionMetadata, scale: float) -> torch.Tensor:
         """q: [T, Hq, D]; k, v: [T, Hk, D]; returns [T, Hq, D]."""
         write_kv(kv_cache, k, v, meta.slot_mapping)
-        if meta.decode is not None and not meta.prefills:
-            return _decode(q, kv_cache, meta.decode, scale)  # decode-only step: rows already in order
-        out = torch.empty_like(q)
-        if meta.decode is not None:
-            d = meta.decode
-            out[d.token_index] = _decode(q[d.token_index], kv_cache, d, scale)
-        for p in meta.prefills:
-            sl = slice(p.q_start, p.q_start + p.q_len)
-            out[sl] = prefill_reference(q[sl], k[sl], v[sl], kv_cache, p, scale)
-        return out
-
+        return _attend(q, k, v, kv_cache, meta, scale)
 
     def attend(self, q: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata,
                scale: float) -> torch.Tensor:
         """Attention for a step whose K/V are already in the cache (a model that wrote
         them itself): every key, the chunk's own included, is read from the cache."""
-        out = torch.empty_like(q)
-        if meta.decode is not None:
-            d = meta.decode
-            out[d.token_index] = _decode(q[d.token_index], kv_cache, d, scale)
-        for p in meta.prefills:
-            sl = slice(p.q_start, p.q_start + p.q_len)
-            out[sl] = prefill_reference(q[sl], None, None, kv_cache, p, scale)
-        return out
+        return _attend(q, None, None, kv_cache, meta, scale)
+
+
+def _attend(q: torch.Tensor, k: torch.Tensor | None, v: torch.Tensor | None, kv_cache: torch.Tensor,
+            meta: AttentionMetadata, scale: float) -> torch.Tensor:
+    """Decode group and prefill chunks of one step; k/v None: read the chunks' own keys from the cache."""
+    if meta.decode is not None and not meta.prefills:
+        return _decode(q, kv_cache, meta.decode, scale)  # decode-only step: rows already in order
+    out = torch.empty_like(q)
+    if meta.decode is not None:
+        d = meta.decode
+        out[d.token_index] = _decode(q[d.token_index], kv_cache, d, scale)
+    for p in meta.prefills:
+        sl = slice(p.q_start, p.q_start + p.q_len)
+        fresh = (None, None) if k is None else (k[sl], v[sl])
+        out[sl] = prefill_reference(q[sl], *fresh, kv_cache, p, scale)
+    return out
 
 
 def write_kv(kv_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slots: torch.Tensor) -> None:

@@ -74,7 +74,9 @@ class RotaryEmbedding(torch.nn.Module):
         self.max_positions = max_positions
         self._cache: tuple[torch.Tensor, torch.Tensor] | None = None
 
-    def _cos_sin(self, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    def tables(self, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+        """The whole float32 [max_positions, D] cos and signed sin tables, built once
+        (fused kernels index them by position themselves)."""
         if self._cache is None or self._cache[0].device != device:
             t = torch.arange(self.max_positions, dtype=torch.float32, device=device)
             freqs = torch.outer(t, self.inv_freq.to(device))
@@ -83,14 +85,9 @@ class RotaryEmbedding(torch.nn.Module):
             self._cache = (torch.cat((freqs, freqs), dim=-1).cos(), torch.cat((-freqs.sin(), freqs.sin()), dim=-1))
         return self._cache
 
-    def tables(self, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
-        """The whole float32 [max_positions, D] cos and signed sin tables (fused kernels
-        index them by position themselves)."""
-        return self._cos_sin(device)
-
     def cos_sin(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         """[T, 1, D] cos and signed sin for these positions; computed once per forward, shared by all layers."""
-        cos_all, sin_all = self._cos_sin(positions.device)
+        cos_all, sin_all = self.tables(positions.device)
         return cos_all[positions].unsqueeze(1).to(dtype), sin_all[positions].unsqueeze(1).to(dtype)
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, cos_sin: tuple[torch.Tensor, torch.Tensor]):

@@ -83,7 +83,7 @@ def build_worker(config: EngineConfig) -> WorkerInfo:
     ops = fused_ops(device) if backend.name == "triton" else None
     num_blocks = _num_blocks(config, arch, dtype, device,
                              lambda: profile_step_bytes(model, backend, ops, config.scheduler.max_num_batched_tokens,
-                                                        cc.block_size, (arch.num_kv_heads, arch.head_dim, 0),
+                                                        cc.block_size, arch.num_kv_heads, arch.head_dim,
                                                         arch.num_layers, dtype, device, max_len))
     shape = (2, num_blocks, cc.block_size, arch.num_kv_heads, arch.head_dim)
     try:

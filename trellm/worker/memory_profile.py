@@ -13,16 +13,15 @@ log = logging.getLogger("trellm")
 
 
 def profile_step_bytes(model: torch.nn.Module, backend, ops, num_tokens: int, block_size: int,
-                       kv_shape: tuple[int, int, int], num_layers: int, dtype: torch.dtype,
+                       kv_heads: int, head_dim: int, num_layers: int, dtype: torch.dtype,
                        device: torch.device, max_len: int) -> int:
     """Peak bytes allocated by a prefill step of ``num_tokens`` tokens plus the LM head
     on every row (a prompt-logprobs step can ask for all of them), on a throwaway
-    cache just large enough for the chunk. kv_shape: (kv_heads, head_dim, unused=0)."""
+    cache just large enough for the chunk."""
     from trellm.worker.model_runner import ForwardContext
 
     nblk = -(-num_tokens // block_size)
-    hk, hd = kv_shape[0], kv_shape[1]
-    kv = [torch.zeros((2, nblk, block_size, hk, hd), dtype=dtype, device=device) for _ in range(num_layers)]
+    kv = [torch.zeros((2, nblk, block_size, kv_heads, head_dim), dtype=dtype, device=device) for _ in range(num_layers)]
     meta = AttentionMetadata(
         slot_mapping=torch.arange(num_tokens, device=device), decode=None,
         prefills=[PrefillSeq(0, num_tokens, num_tokens, torch.arange(nblk, device=device))],
