@@ -274,14 +274,20 @@ def _alive(pid: int) -> bool:
         return False
 
 
-def test_sigterm_timeout_ends_requests_with_an_error(serve_process):
-    proc, url = serve_process("ok", "--shutdown-timeout", "0.5")
-    lines: list[str] = []
+def _start_long_stream(url: str, lines: list[str]) -> threading.Thread:
+    """A 240-token stream on a thread, returned once its first line has arrived."""
     started = threading.Event()
     t = threading.Thread(target=_stream_lines, args=(url, completion_body(model=None, max_tokens=240,
                                                                           ignore_eos=True), lines, started))
     t.start()
     assert started.wait(20)
+    return t
+
+
+def test_sigterm_timeout_ends_requests_with_an_error(serve_process):
+    proc, url = serve_process("ok", "--shutdown-timeout", "0.5")
+    lines: list[str] = []
+    t = _start_long_stream(url, lines)
     proc.send_signal(signal.SIGTERM)
     t0 = time.monotonic()
     t.join(30)
@@ -295,11 +301,7 @@ def test_second_sigint_during_drain_exits_at_once(serve_process):
     """#72: the first Ctrl-C drains (up to 60 s here); a second one stops now."""
     proc, url = serve_process("ok", "--shutdown-timeout", "60")
     lines: list[str] = []
-    started = threading.Event()
-    t = threading.Thread(target=_stream_lines, args=(url, completion_body(model=None, max_tokens=240,
-                                                                          ignore_eos=True), lines, started))
-    t.start()
-    assert started.wait(20)
+    t = _start_long_stream(url, lines)
     proc.send_signal(signal.SIGINT)
     time.sleep(0.5)
     assert proc.poll() is None and httpx.get(url + "/health", timeout=5).status_code == 503  # draining
