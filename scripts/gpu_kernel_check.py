@@ -56,8 +56,12 @@ def cases(dtypes: list[torch.dtype], quick: bool) -> list[tuple[str, Callable[[]
         for t, hq, hk, d in [(1, 4, 4, 64), (9, 8, 2, 64), (5, 6, 2, 96), (1, 32, 8, 128), (512, 32, 8, 128)]:
             for scaling in (None, kt.LLAMA3_SCALING):
                 add("rope_and_write_kv", kt.check_rope_and_write_kv, t, hq, hk, d, dt, DEV, scaling=scaling, timing=True)
+        add("rope_and_write_kv", kt.check_rope_and_write_kv, 5, 16, 8, 128, dt, DEV, qk_norm=True)
         add("rope_and_write_kv", kt.check_rope_and_write_kv, 11, 8, 2, 128, dt, DEV, kt.LLAMA3_SCALING,
             with_positions=False)
+        for rows, n, k in [(1, 37, 300), (3, 130, 96), (1, 4096, 4096), (8, 6144, 4096), (1, 1024, 2048),
+                           (4, 4096, 14336), (1, 128256, 4096)]:
+            add("gemv", kt.check_gemv, rows, n, k, dt, DEV, bias=n % 2 == 1, timing=True)
         for t, hk, d, page in [(1, 1, 64, 16), (37, 2, 128, 16), (10, 4, 64, 8), (4096, 8, 128, 16)]:
             add("write_kv", kt.check_write_kv, t, hk, d, dt, DEV, page=page)
     for dt in [d for d in dtypes if d != torch.float16]:

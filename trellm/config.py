@@ -28,7 +28,13 @@ class ModelConfig:
     """Tokenizer override (a Hugging Face directory or tokenizer.json)."""
     quantization: str = "auto"
     """'auto': on CPU keep GGUF Q4_0/Q4_1 linear weights packed (int4 matmul, bf16
-    activations); 'none': dequantize everything to --dtype."""
+    activations), run an EXL3 checkpoint as EXL3; 'none': dequantize everything to
+    --dtype; 'exl3': an EXL3 checkpoint, or random EXL3 weights for a dummy: model;
+    'int8': an unquantized model's linear weights quantized at load time to int8 with
+    per-output-row scales (weight-only, W8A16)."""
+    bits: float | None = None
+    """Dummy EXL3 models: bits per weight of the random trellises (1..8; x.5 with the
+    mul1 codebook). None = the dummy config's own ``quantization_config.bits``."""
     enforce_eager: bool = False
     """CUDA: run decode steps eagerly instead of replaying captured CUDA graphs."""
     prefill_weight_cache_memory: int = 1 << 30
@@ -67,6 +73,10 @@ class SchedulerConfig:
     """Most prompt tokens one request may take in one step; 0 = no cap."""
     enable_chunked_prefill: bool = True
     """Split a prompt over several steps when it exceeds the remaining budget."""
+    async_scheduling: bool | None = None
+    """Plan and prepare step n+1 while the device runs step n (tokens sampled on the
+    device feed the next step directly). None = on for CUDA, off on the CPU (where the
+    host is the device and nothing overlaps)."""
 
 
 @dataclass(frozen=True)
@@ -97,8 +107,10 @@ class EngineConfig:
             raise ValueError(f"unsupported --dtype {self.model.dtype!r}")
         if self.model.device not in ("auto", "cpu", "cuda"):
             raise ValueError(f"unsupported --device {self.model.device!r}")
-        if self.model.quantization not in ("auto", "none"):
+        if self.model.quantization not in ("auto", "none", "exl3", "int8"):
             raise ValueError(f"unsupported --quantization {self.model.quantization!r}")
+        if self.model.bits is not None and self.model.quantization != "exl3":
+            raise ValueError("--bits needs --quantization exl3")
 
 
 @dataclass(frozen=True)

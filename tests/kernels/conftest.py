@@ -33,6 +33,7 @@ def device() -> torch.device:
 
 
 if INTERPRET and triton_importable():
-    from trellm.kernels.testing import patch_interpreter_bf16
+    from trellm.kernels.testing import patch_interpreter_bf16, patch_interpreter_overflow_checks
 
     patch_interpreter_bf16()
+    patch_interpreter_overflow_checks()

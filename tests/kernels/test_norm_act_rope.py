@@ -50,6 +50,12 @@ def test_rope_and_write_kv(tokens, hq, hk, d, scaling, dtype, device):
     _assert_all(kt.check_rope_and_write_kv(tokens, hq, hk, d, dtype, device, scaling=scaling))
 
 
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("tokens,hq,hk,d", [(1, 16, 8, 128), (7, 6, 2, 96)])
+def test_rope_with_fused_qk_norm(tokens, hq, hk, d, dtype, device):
+    _assert_all(kt.check_rope_and_write_kv(tokens, hq, hk, d, dtype, device, qk_norm=True))
+
+
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=str)
 def test_rope_per_token_tables(dtype, device):
     # Tables as RotaryEmbedding.cos_sin hands them to the model: [T, 1, D] in the model dtype.

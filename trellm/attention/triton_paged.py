@@ -24,6 +24,7 @@ from dataclasses import dataclass
 import torch
 
 from trellm.attention.torch_paged import AttentionMetadata
+from trellm.host_copy import device_tensor
 
 
 @dataclass
@@ -62,8 +63,8 @@ def prepare(meta: AttentionMetadata, device: torch.device) -> TritonStepMetadata
     pre = (None, None, None, None, 0)
     if meta.prefills:
         ps = meta.prefills
-        ints = torch.tensor([[p.q_start for p in ps], [p.q_len for p in ps], [p.seq_len for p in ps]],
-                            dtype=torch.int32).to(device)
+        ints = device_tensor([[p.q_start for p in ps], [p.q_len for p in ps], [p.seq_len for p in ps]],
+                             device, torch.int32)
         table = torch.nn.utils.rnn.pad_sequence([p.block_ids.to(device) for p in ps], batch_first=True)
         pre = (ints[0], ints[1], ints[2], table.to(torch.int32).contiguous(), max(p.q_len for p in ps))
     return TritonStepMetadata(*dec, *pre)

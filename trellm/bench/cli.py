@@ -35,6 +35,11 @@ def add_bench_parser(sub) -> None:
     summ.add_argument("--anchor", action="append", default=[],
                       help="extra row 'label:decode_tok_s:prefill_tok_s' quoted from elsewhere (not measured here)")
     summ.set_defaults(func=run_summarize)
+    from trellm.bench.serve import add_serve_parser
+
+    add_serve_parser(bsub)
+    from trellm.bench.ladder import add_ladder_parser; add_ladder_parser(bsub)  # noqa: E702
+    from trellm.bench.load import add_load_parser; add_load_parser(bsub)  # noqa: E702
 
 
 def run_latency(args: argparse.Namespace) -> int:

@@ -34,13 +34,38 @@ class Engine:
         self.output_processor = OutputProcessor(self.tokenizer or _NoText())
         self._aborted: list[EngineCoreOutput] = []
         self._children: dict[str, list[str]] = {}
+        asy = config.scheduler.async_scheduling
+        self.async_scheduling = self.worker.device.type == "cuda" if asy is None else asy
+        self._inflight: tuple[StepPlan, object] | None = None
+        """Async scheduling: the step launched last, whose result is not applied yet."""
 
     # ---- the loop ------------------------------------------------------------------
 
     def step(self) -> list[RequestOutput]:
         plan = self.scheduler.schedule()
-        result = self.worker.runner.execute(plan)
-        return self._update(plan, result)
+        if not self.async_scheduling:
+            return self._update(plan, self.worker.runner.execute(plan))
+        return self._step_async(plan)
+
+    def _step_async(self, plan: StepPlan) -> list[RequestOutput]:
+        """Launch step n, then apply step n-1's result while the device runs step n.
+        A plan the device cannot sample alone (log-probs, penalties) waits for the
+        step in flight and runs synchronously."""
+        runner = self.worker.runner
+        if not runner.can_launch(plan):
+            outputs = self._resolve_inflight()
+            return outputs + self._update(plan, runner.execute(plan))
+        launched = runner.launch(plan)
+        outputs = self._resolve_inflight()
+        self._inflight = (plan, launched)
+        return outputs
+
+    def _resolve_inflight(self) -> list[RequestOutput]:
+        if self._inflight is None:
+            return []
+        plan, launched = self._inflight
+        self._inflight = None
+        return self._update(plan, self.worker.runner.resolve(launched))
 
     def _update(self, plan: StepPlan, result: StepResult) -> list[RequestOutput]:
         core_outputs = self._aborted + self.scheduler.update(plan, result)
@@ -54,7 +79,7 @@ class Engine:
         return outputs
 
     def has_unfinished_requests(self) -> bool:
-        return self.scheduler.has_unfinished_requests() or bool(self._aborted)
+        return self.scheduler.has_unfinished_requests() or bool(self._aborted) or self._inflight is not None
 
     # ---- requests ------------------------------------------------------------------
 

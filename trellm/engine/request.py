@@ -61,6 +61,8 @@ class Request:
     output_token_ids: list[int] = field(default_factory=list)
     status: RequestStatus = RequestStatus.WAITING
     num_computed_tokens: int = 0
+    num_output_placeholders: int = 0
+    """Tokens scheduled to be sampled whose ids are not known yet (async scheduling)."""
     num_cached_tokens: int = -1
     """Prompt tokens served from the prefix cache at first admission (-1: not yet admitted)."""
     num_preemptions: int = 0
@@ -78,6 +80,10 @@ class Request:
     @property
     def num_tokens(self) -> int:
         return len(self.prompt_token_ids) + len(self.output_token_ids)
+
+    @property
+    def num_tokens_with_placeholders(self) -> int:
+        return self.num_tokens + self.num_output_placeholders
 
     def token_slice(self, start: int, end: int) -> list[int]:
         return token_slice(self.prompt_token_ids, self.output_token_ids, start, end)

@@ -9,12 +9,17 @@ One step:
   1. running requests first, in order; when the KV pool runs dry the last running
      request is preempted (recompute later) until the current one fits;
   2. then waiting requests in FCFS order, unless something was preempted;
-  3. the plan sends requests the runner does not hold in full, others as deltas.
-``update`` then advances ``num_computed_tokens``, caches full blocks, appends
-sampled tokens and checks the stop conditions.
+  3. the plan sends requests the runner does not hold in full, others as deltas;
+  4. ``num_computed_tokens`` advances at once, and a request that will sample gets an
+     output placeholder, so the next ``schedule`` may run before this step's ``update``
+     (async scheduling: the runner feeds the placeholder's token from the device).
+``update`` then caches full blocks, turns placeholders into sampled tokens and checks
+the stop conditions. Results of a step planned before a request was preempted are
+dropped (the recompute produces them again).
 """
 from __future__ import annotations
 
+import itertools
 from collections import deque
 from dataclasses import dataclass
 from typing import Iterable
@@ -62,6 +67,10 @@ class Scheduler:
         """Finished, aborted or preempted since the last plan: the runner drops them."""
         self._runner_known: set[str] = set()
         """Requests whose full state the runner holds (sent as NewRequestData)."""
+        self._step_ids = itertools.count(1)
+        self._inflight: dict[int, dict[str, tuple[int, int]]] = {}
+        """Per planned step not yet updated: request -> (preemption count when planned,
+        computed tokens after the step)."""
         self._plp_emitted: dict[str, int] = {}
         self._plp_seen: dict[str, int] = {}
         """Prompt-logprob entries emitted / received since the runner (re)started the
@@ -150,8 +159,8 @@ class Scheduler:
         i = 0
         while i < len(self.running) and budget > 0:
             req = self.running[i]
-            num_new = self._cap(req.num_tokens - req.num_computed_tokens, budget)
-            if num_new <= 0:
+            num_new = self._cap(req.num_tokens_with_placeholders - req.num_computed_tokens, budget)
+            if num_new <= 0 or self._ends_with_placeholder(req):
                 i += 1
                 continue
             blocks = self.kv.allocate_slots(req, num_new)
@@ -172,11 +181,22 @@ class Scheduler:
             i += 1
         return budget, preempted
 
+    def _ends_with_placeholder(self, req: Request) -> bool:
+        """The token in flight surely ends the request (max_tokens or context length):
+        computing past it would be wasted."""
+        if not req.num_output_placeholders:
+            return False
+        sp, max_len = req.sampling_params, req.max_model_len or self.max_model_len
+        n_out = req.num_output_tokens + req.num_output_placeholders
+        return (sp.max_tokens is not None and n_out >= sp.max_tokens) or (
+            0 < max_len <= req.num_tokens_with_placeholders)
+
     def _preempt(self, req: Request) -> None:
         """Recompute-style preemption: drop its KV, resend it to the runner later."""
         self.kv.free(req)
         req.status = RequestStatus.PREEMPTED
         req.num_computed_tokens = 0
+        req.num_output_placeholders = 0
         req.num_preemptions += 1
         self.num_preemptions += 1
         self.waiting.appendleft(req)
@@ -255,13 +275,28 @@ class Scheduler:
                 num_computed_tokens=req.num_computed_tokens,
             ))
         finished, self._finished_ids = frozenset(self._finished_ids), set()
+        step_id = next(self._step_ids)
+        self._inflight[step_id] = self._advance(scheduled)
         return StepPlan(
+            step_id=step_id,
             new_requests=tuple(new_reqs),
             cached_requests=tuple(cached_reqs),
             num_scheduled_tokens=scheduled,
             total_num_scheduled_tokens=sum(scheduled.values()),
             finished_request_ids=finished,
         )
+
+    def _advance(self, scheduled: dict[str, int]) -> dict[str, tuple[int, int]]:
+        """Count the scheduled tokens as computed and give each request that reaches
+        the end of its tokens a placeholder for the token it will sample."""
+        snapshot: dict[str, tuple[int, int]] = {}
+        for rid, n in scheduled.items():
+            req = self.requests[rid]
+            req.num_computed_tokens += n
+            if req.num_computed_tokens == req.num_tokens_with_placeholders:
+                req.num_output_placeholders += 1
+            snapshot[rid] = (req.num_preemptions, req.num_computed_tokens)
+        return snapshot
 
     # ---- update ------------------------------------------------------------------------
 
@@ -270,13 +305,18 @@ class Scheduler:
         tokens or logprobs, or finished."""
         outputs: list[EngineCoreOutput] = []
         finished: list[Request] = []
-        for rid, n in plan.num_scheduled_tokens.items():
+        snapshot = self._inflight.pop(plan.step_id, {})
+        for rid in plan.num_scheduled_tokens:
             req = self.requests.get(rid)
-            if req is None or req.status != RequestStatus.RUNNING:
+            if req is None or req.status != RequestStatus.RUNNING or rid not in snapshot:
                 continue  # aborted or stopped from outside while the step ran
-            req.num_computed_tokens += n
-            self.kv.cache_full_blocks(req, req.num_computed_tokens)
-            new_tokens = self._append_tokens(req, result.sampled_token_ids.get(rid, ()))
+            preemptions, computed = snapshot[rid]
+            if req.num_preemptions != preemptions:
+                continue  # planned before a preemption: the recompute redoes it
+            sampled = result.sampled_token_ids.get(rid, ())
+            req.num_output_placeholders = max(0, req.num_output_placeholders - len(sampled))
+            self.kv.cache_full_blocks(req, min(computed, req.num_tokens))
+            new_tokens = self._append_tokens(req, sampled)
             logprobs = tuple(result.logprobs.get(rid, ()))[: len(new_tokens)]
             prompt_lps = self._new_prompt_logprobs(rid, result.prompt_logprobs.get(rid, ()))
             if req.is_finished:

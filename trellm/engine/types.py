@@ -47,6 +47,8 @@ class StepPlan:
     ``all_tokens[num_computed : num_computed + num_scheduled_tokens[r]]``; if that
     reaches the end of its known tokens, the runner samples one next token."""
 
+    step_id: int = 0
+    """The scheduler's serial number of the step (update matches results to it)."""
     new_requests: tuple[NewRequestData, ...] = ()
     cached_requests: tuple[CachedRequestData, ...] = ()
     num_scheduled_tokens: Mapping[str, int] = field(default_factory=dict)

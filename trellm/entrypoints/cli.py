@@ -1,4 +1,4 @@
-"""The ``trellm`` command: generate, chat, serve, bench.
+"""The ``trellm`` command: generate, chat, serve, bench, quantize, eval.
 
 Every user error ends as one line on stderr ("trellm: error: ...") and exit code 1,
 never a traceback.
@@ -18,9 +18,13 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                    help="GGUF file, Hugging Face directory or dummy:<config.json> (default: embedded SmolLM2-135M)")
     p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
     p.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"])
-    p.add_argument("--quantization", default="auto", choices=["auto", "none"],
+    p.add_argument("--quantization", default="auto", choices=["auto", "none", "exl3", "int8"],
                    help="auto: on CPU keep GGUF Q4_0/Q4_1 linear weights packed (int4 matmul, "
-                        "bf16 activations); none: dequantize everything to --dtype")
+                        "bf16 activations), EXL3 checkpoints as EXL3; none: dequantize everything "
+                        "to --dtype; exl3: with a dummy: model, random EXL3 weights of --bits; "
+                        "int8: quantize an unquantized model's linear weights to int8 at load time")
+    p.add_argument("--bits", type=float, default=None,
+                   help="dummy EXL3 models: bits per weight (1..8)")
     p.add_argument("--max-model-len", type=int, default=None)
     p.add_argument("--max-num-seqs", type=int, default=64)
     p.add_argument("--max-num-batched-tokens", type=int, default=2048)
@@ -31,6 +35,8 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--gpu-memory-utilization", type=float, default=0.9)
     p.add_argument("--seed", type=int, default=0, help="seed for dummy weights")
     p.add_argument("--load-workers", type=int, default=4)
+    p.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction, default=None,
+                   help="prepare step n+1 while the GPU runs step n (default: on for CUDA, off on CPU)")
     p.add_argument("--enforce-eager", action="store_true",
                    help="CUDA: no CUDA graphs (decode steps run eagerly)")
     p.add_argument("--prefill-weight-cache-memory", type=int, default=1 << 30,
@@ -38,13 +44,15 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
 
 
 def engine_kwargs(a: argparse.Namespace) -> dict:
-    return dict(dtype=a.dtype, device=a.device, quantization=a.quantization, max_model_len=a.max_model_len,
+    return dict(dtype=a.dtype, device=a.device, quantization=a.quantization, bits=a.bits,
+                max_model_len=a.max_model_len,
                 max_num_seqs=a.max_num_seqs, max_num_batched_tokens=a.max_num_batched_tokens,
                 long_prefill_token_threshold=a.long_prefill_token_threshold,
                 enable_prefix_caching=a.enable_prefix_caching, block_size=a.block_size,
                 kv_cache_memory=a.kv_cache_memory, gpu_memory_utilization=a.gpu_memory_utilization,
                 seed=a.seed, load_workers=a.load_workers,
-                prefill_weight_cache_memory=a.prefill_weight_cache_memory, enforce_eager=a.enforce_eager)
+                prefill_weight_cache_memory=a.prefill_weight_cache_memory, enforce_eager=a.enforce_eager,
+                async_scheduling=a.async_scheduling)
 
 
 def add_sampling_args(p: argparse.ArgumentParser) -> None:
@@ -147,6 +155,8 @@ def build_parser() -> argparse.ArgumentParser:
     from trellm.bench.cli import add_bench_parser
 
     add_bench_parser(sub)
+    from trellm.quant.exl3.quantize_cli import add_quantize_parser; add_quantize_parser(sub)  # noqa: E702
+    from trellm.eval.cli import add_eval_parser; add_eval_parser(sub)  # noqa: E702
     return parser
 
 

@@ -10,6 +10,12 @@
 | KV-cache write | ``rope_kv.write_kv`` | ``write_kv_ref`` |
 | SiLU-and-mul | ``activation.silu_and_mul`` | ``silu_and_mul_ref`` |
 | sampling (greedy / temperature, min-p, top-k, top-p) | ``sampling.sample`` | ``sample_ref`` |
+| EXL3 trellis decode (fp16 Wq) | ``exl3_decode.exl3_reconstruct`` | ``exl3_reconstruct_ref`` |
+| EXL3 ``x @ W`` (GEMV / GEMM / reconstruct + cuBLAS) | ``exl3_gemv.exl3_matmul`` | ``exl3_matmul_ref`` |
+| int8 weight-only linear | ``int8_gemv.int8_linear`` | ``int8_linear_ref`` |
+
+The quantized linears are not in ``OPS``: their layers' methods call them (the EXL3
+kernel hook, ``Int8LinearMethod``).
 
 A kernel runs where ``kernel_supported(device)`` says so: a CUDA tensor with Triton
 importable, or a CPU tensor under Triton's interpreter (``TRITON_INTERPRET=1``, for the

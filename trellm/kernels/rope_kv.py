@@ -11,6 +11,10 @@ for padded CUDA-graph batches). ``write_kv`` is the same kernel without the rota
 Tables are [T, D] (or [T, 1, D], as ``RotaryEmbedding.cos_sin`` returns them) per
 token, or the whole [max_positions, D] tables plus ``positions`` to index them in
 the kernel. Math is float32; each output is rounded once.
+
+Qwen3's per-head q/k RMSNorm can ride along (``q_norm``/``k_norm`` = (weight, eps)):
+the kernel already holds each head's row, so normalizing it there saves two launches
+per layer; the unfused path rounds between norm and rotation, this one does not.
 """
 from __future__ import annotations
 
@@ -22,7 +26,7 @@ from trellm.kernels._triton import tl, triton
 @triton.jit
 def _rope_kv_kernel(
     q_ptr, k_ptr, v_ptr, cos_ptr, sin_ptr, pos_ptr, slot_ptr,
-    k_cache_ptr, v_cache_ptr, q_out_ptr,
+    k_cache_ptr, v_cache_ptr, q_out_ptr, qn_ptr, kn_ptr, q_eps, k_eps,
     stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh,
     stride_cos, stride_sin,
     stride_cb, stride_cs, stride_ch,
@@ -30,7 +34,7 @@ def _rope_kv_kernel(
     NUM_Q_HEADS: tl.constexpr, NUM_KV_HEADS: tl.constexpr,
     HALF: tl.constexpr, BLOCK_HALF: tl.constexpr,
     BLOCK_HQ: tl.constexpr, BLOCK_HK: tl.constexpr, PAGE: tl.constexpr,
-    HAS_ROPE: tl.constexpr, HAS_POS: tl.constexpr,
+    HAS_ROPE: tl.constexpr, HAS_POS: tl.constexpr, HAS_QK_NORM: tl.constexpr,
 ):
     t = tl.program_id(0).to(tl.int64)
     offs = tl.arange(0, BLOCK_HALF)
@@ -54,6 +58,8 @@ def _rope_kv_kernel(
         q_row = q_ptr + t * stride_qt + hq[:, None] * stride_qh + offs[None, :]
         q1 = tl.load(q_row, mask=q_mask, other=0.0).to(tl.float32)
         q2 = tl.load(q_row + HALF, mask=q_mask, other=0.0).to(tl.float32)
+        if HAS_QK_NORM:
+            q1, q2 = _head_rms_norm(q1, q2, qn_ptr, offs, d_mask, q_eps, HALF)
         out_row = q_out_ptr + t * stride_qot + hq[:, None] * stride_qoh + offs[None, :]
         odt = q_out_ptr.dtype.element_ty
         tl.store(out_row, (q1 * cos1 + q2 * sin1).to(odt), mask=q_mask)
@@ -61,6 +67,8 @@ def _rope_kv_kernel(
 
         k1f = k1.to(tl.float32)
         k2f = k2.to(tl.float32)
+        if HAS_QK_NORM:
+            k1f, k2f = _head_rms_norm(k1f, k2f, kn_ptr, offs, d_mask, k_eps, HALF)
         k1 = k1f * cos1 + k2f * sin1
         k2 = k2f * cos2 + k1f * sin2
 
@@ -75,6 +83,16 @@ def _rope_kv_kernel(
         tl.store(v_cache_ptr + dst + HALF, tl.load(v_row + HALF, mask=k_mask, other=0.0).to(cdt), mask=k_mask)
 
 
+@triton.jit
+def _head_rms_norm(x1, x2, w_ptr, offs, d_mask, eps, HALF: tl.constexpr):
+    """RMSNorm of each head row [H, half] + [H, half] with weight [2 * half]."""
+    ms = (tl.sum(x1 * x1, axis=1) + tl.sum(x2 * x2, axis=1)) / (2 * HALF)
+    r = (1.0 / tl.sqrt(ms + eps))[:, None]
+    w1 = tl.load(w_ptr + offs, mask=d_mask, other=0.0).to(tl.float32)[None, :]
+    w2 = tl.load(w_ptr + HALF + offs, mask=d_mask, other=0.0).to(tl.float32)[None, :]
+    return x1 * r * w1, x2 * r * w2
+
+
 def _table_2d(t: torch.Tensor) -> torch.Tensor:
     t = t.reshape(t.shape[0], t.shape[-1]) if t.dim() == 3 else t
     return t if t.stride(-1) == 1 else t.contiguous()
@@ -82,7 +100,7 @@ def _table_2d(t: torch.Tensor) -> torch.Tensor:
 
 def _launch(q: torch.Tensor | None, k: torch.Tensor, v: torch.Tensor, cos: torch.Tensor | None,
             sin: torch.Tensor | None, kv_cache: torch.Tensor, slot_mapping: torch.Tensor,
-            positions: torch.Tensor | None) -> torch.Tensor | None:
+            positions: torch.Tensor | None, q_norm=None, k_norm=None) -> torch.Tensor | None:
     t, hk, d = k.shape
     if d % 2:
         raise ValueError(f"head_dim must be even, got {d}")
@@ -101,9 +119,11 @@ def _launch(q: torch.Tensor | None, k: torch.Tensor, v: torch.Tensor, cos: torch
         return q_out if has_rope else None
     k_cache, v_cache = kv_cache[0], kv_cache[1]
     half = d // 2
+    has_norm = q_norm is not None
+    (qn, q_eps), (kn, k_eps) = (q_norm, k_norm) if has_norm else ((k, 0.0), (k, 0.0))
     _rope_kv_kernel[(t,)](
         q, k, v, cos, sin, positions if positions is not None else slot_mapping, slot_mapping,
-        k_cache, v_cache, q_out,
+        k_cache, v_cache, q_out, qn, kn, float(q_eps), float(k_eps),
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
         cos.stride(0), sin.stride(0),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
@@ -112,21 +132,25 @@ def _launch(q: torch.Tensor | None, k: torch.Tensor, v: torch.Tensor, cos: torch
         BLOCK_HALF=triton.next_power_of_2(half),
         BLOCK_HQ=triton.next_power_of_2(q.shape[1]), BLOCK_HK=triton.next_power_of_2(hk),
         PAGE=kv_cache.shape[2], HAS_ROPE=has_rope, HAS_POS=positions is not None,
-        num_warps=4,
+        HAS_QK_NORM=has_norm, num_warps=4,
     )
     return q_out if has_rope else None
 
 
 def rope_and_write_kv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos: torch.Tensor,
                       sin: torch.Tensor, kv_cache: torch.Tensor, slot_mapping: torch.Tensor,
-                      positions: torch.Tensor | None = None) -> torch.Tensor:
+                      positions: torch.Tensor | None = None, q_norm: tuple | None = None,
+                      k_norm: tuple | None = None) -> torch.Tensor:
     """Rotate q and k, write rotated k and v to the cache; returns the rotated q.
+    ``q_norm``/``k_norm``: (weight [D], eps) of a per-head RMSNorm applied first (both or neither).
 
     q: [T, Hq, D], k, v: [T, Hk, D] (strided views of a qkv tensor are fine);
     cos, sin (signed): [T, D] / [T, 1, D], or [P, D] with ``positions`` [T];
     kv_cache: [2, num_blocks, block_size, Hk, D]; slot_mapping: [T] (< 0: skip).
     """
-    return _launch(q, k, v, cos, sin, kv_cache, slot_mapping, positions)
+    if (q_norm is None) != (k_norm is None):
+        raise ValueError("q_norm and k_norm come together")
+    return _launch(q, k, v, cos, sin, kv_cache, slot_mapping, positions, q_norm, k_norm)
 
 
 def write_kv(k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor, slot_mapping: torch.Tensor) -> None:
@@ -141,14 +165,22 @@ def _rotate_ref(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.
 
 def rope_and_write_kv_ref(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos: torch.Tensor,
                           sin: torch.Tensor, kv_cache: torch.Tensor, slot_mapping: torch.Tensor,
-                          positions: torch.Tensor | None = None) -> torch.Tensor:
+                          positions: torch.Tensor | None = None, q_norm: tuple | None = None,
+                          k_norm: tuple | None = None) -> torch.Tensor:
     """Reference: RotaryEmbedding.forward's arithmetic in float32, then write_kv_ref."""
+    if q_norm is not None:
+        q, k = _head_norm_ref(q, *q_norm), _head_norm_ref(k, *k_norm)
     cos, sin = _table_2d(cos).float(), _table_2d(sin).float()
     if positions is not None:
         cos, sin = cos[positions.long()], sin[positions.long()]
     cos, sin = cos[:, None, :], sin[:, None, :]
     write_kv_ref(_rotate_ref(k, cos, sin), v, kv_cache, slot_mapping)
     return _rotate_ref(q, cos, sin).to(q.dtype)
+
+
+def _head_norm_ref(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    xf = x.float()
+    return xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps) * weight.float()
 
 
 def write_kv_ref(k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor, slot_mapping: torch.Tensor) -> None:

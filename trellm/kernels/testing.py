@@ -36,6 +36,17 @@ TOLERANCES = {
 EXACT = Tolerance(0.0, 0.0)
 
 
+def quant_tolerance(dtype: torch.dtype, fp16_operands: bool) -> Tolerance:
+    """Quantized linears (EXL3, int8; trellm/kernels/quant_testing.py): the output dtype's
+    tolerance, at least fp16's where a path rounds its activations to fp16 (EXL3's
+    GEMM and reconstruct paths, as ExLlamaV3 does) or multiplies in bf16/fp16."""
+    tol = TOLERANCES[dtype]
+    if not fp16_operands:
+        return tol
+    fp16 = TOLERANCES[torch.float16]
+    return Tolerance(max(tol.atol, fp16.atol), max(tol.rtol, fp16.rtol))
+
+
 @dataclass
 class CheckResult:
     kernel: str
@@ -211,6 +222,21 @@ def check_rms_norm(rows: int, hidden: int, dtype: torch.dtype, device: torch.dev
                   device, timing, ref_iters=10)
 
 
+def check_gemv(rows: int, n: int, k: int, dtype: torch.dtype, device: torch.device, bias: bool = False,
+               seed: int = 0, timing: bool = False) -> CheckResult:
+    """The skinny GEMM against float32 math; inputs scaled so outputs stay O(1)."""
+    from trellm.kernels import gemv as g
+
+    gen = torch.Generator().manual_seed(seed)
+    x = torch.randn(rows, k, generator=gen).to(dtype).to(device)
+    w = (torch.randn(n, k, generator=gen) / k ** 0.5).to(dtype).to(device)
+    b = torch.randn(n, generator=gen).to(dtype).to(device) if bias else None
+    res = compare("gemv", f"M={rows} N={n} K={k}{' bias' if bias else ''}", g.gemv(x, w, b),
+                  g.gemv_ref(x, w, b), TOLERANCES[dtype], dtype)
+    _timed(res, lambda: g.gemv(x, w, b), lambda: g.gemv_ref(x, w, b), device, timing)
+    return res
+
+
 def check_silu_and_mul(rows: int, inter: int, dtype: torch.dtype, device: torch.device, seed: int = 0,
                        timing: bool = False) -> CheckResult:
     gen = torch.Generator().manual_seed(seed)
@@ -242,8 +268,8 @@ def rope_tables(d: int, max_pos: int, scaling: dict | None, device: torch.device
 
 def check_rope_and_write_kv(tokens: int, hq: int, hk: int, d: int, dtype: torch.dtype, device: torch.device,
                             scaling: dict | None = None, with_positions: bool = True, page: int = 16,
-                            skip_some_slots: bool = True, seed: int = 0, timing: bool = False
-                            ) -> list[CheckResult]:
+                            skip_some_slots: bool = True, seed: int = 0, timing: bool = False,
+                            qk_norm: bool = False) -> list[CheckResult]:
     """q out and the written cache vs the float32 reference; q (float32 inputs) also
     against trellm.layers.norm_rope.rope_reference (transformers' arithmetic)."""
     from trellm.layers.norm_rope import rope_reference
@@ -265,14 +291,18 @@ def check_rope_and_write_kv(tokens: int, hq: int, hk: int, d: int, dtype: torch.
         args = (cos_all, sin_all, positions)
     else:
         args = (cos_all[positions][:, None, :].to(dtype), sin_all[positions][:, None, :].to(dtype), None)
-    got_q = rope_kv.rope_and_write_kv(q, k, v, args[0], args[1], cache_k, slots, positions=args[2])
-    want_q = rope_kv.rope_and_write_kv_ref(q, k, v, args[0], args[1], cache_r, slots, positions=args[2])
+    norms = {}
+    if qk_norm:  # Qwen3's per-head q/k RMSNorm, fused in
+        norms = {"q_norm": ((1 + 0.1 * torch.randn(d, generator=gen)).to(dtype).to(device), 1e-6),
+                 "k_norm": ((1 + 0.1 * torch.randn(d, generator=gen)).to(dtype).to(device), 1e-6)}
+    got_q = rope_kv.rope_and_write_kv(q, k, v, args[0], args[1], cache_k, slots, positions=args[2], **norms)
+    want_q = rope_kv.rope_and_write_kv_ref(q, k, v, args[0], args[1], cache_r, slots, positions=args[2], **norms)
     tol = TOLERANCES[dtype]
     shape = (f"T={tokens} hq={hq} hk={hk} d={d} {'llama3' if scaling else 'plain'}"
-             f"{' positions' if with_positions else ' per-token tables'}")
+             f"{' positions' if with_positions else ' per-token tables'}{' qk-norm' if qk_norm else ''}")
     results = [compare("rope_and_write_kv.q", shape, got_q, want_q, tol, dtype),
                compare("rope_and_write_kv.cache", shape, cache_k, cache_r, tol, dtype)]
-    if dtype == torch.float32 and with_positions:
+    if dtype == torch.float32 and with_positions and not qk_norm:
         oracle = rope_reference(q.cpu(), positions.cpu(), inv).to(device)
         results.append(compare("rope_and_write_kv.q_vs_transformers", shape, got_q, oracle,
                                Tolerance(1e-5, 1e-5), dtype))
@@ -388,3 +418,21 @@ def patch_interpreter_bf16() -> None:
         return orig_cast(self, src, dst_type)
 
     builder.cast_impl = cast_impl
+
+
+def patch_interpreter_overflow_checks() -> None:
+    """Triton's interpreter checks every 32-bit integer add/mul for overflow (the GPU
+    compiles that check only with debug=True) and its assert never fires (it tests a
+    handle object, always true): pure cost, ~4 ms a call, and the EXL3 codebooks
+    multiply mod 2^32 on purpose 32 times a decode step. Turned off."""
+    from triton.language import semantic
+
+    cls = getattr(semantic, "TritonSemantic", None)
+    if cls is None or getattr(cls.binary_op_sanitize_overflow_impl, "_trellm_patched", False):
+        return
+
+    def no_check(self, lhs, rhs, binary_op):
+        return None
+
+    no_check._trellm_patched = True
+    cls.binary_op_sanitize_overflow_impl = no_check

@@ -14,7 +14,7 @@ import torch.nn.functional as F
 from trellm.layers.linear import Linear, MergedLinear
 from trellm.layers.norm_rope import RMSNorm, RotaryEmbedding
 from trellm.model.config import ArchConfig
-from trellm.quant.base import get_linear_method
+from trellm.quant.base import get_lm_head_method, get_linear_method
 
 ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM")
 
@@ -47,12 +47,13 @@ class Attention(torch.nn.Module):
         v = v.view(t, self.num_kv_heads, self.head_dim)
         kv_cache = ctx.kv_caches[self.layer_idx]
         if ctx.ops is not None:
-            # Fused path (GPU kernels): q/k norm, then RoPE and the KV write in one kernel.
+            # Fused path (GPU kernels): q/k norm, RoPE and the KV write in one kernel.
+            norms = {}
             if self.q_norm is not None:
-                q = ctx.ops.rms_norm(q, self.q_norm.weight, self.q_norm.eps)
-                k = ctx.ops.rms_norm(k, self.k_norm.weight, self.k_norm.eps)
+                norms = {"q_norm": (self.q_norm.weight, self.q_norm.eps),
+                         "k_norm": (self.k_norm.weight, self.k_norm.eps)}
             cos, sin = self.rope.tables(q.device)
-            q = ctx.ops.rope_and_write_kv(q, k, v, cos, sin, kv_cache, ctx.meta.slot_mapping, positions)
+            q = ctx.ops.rope_and_write_kv(q, k, v, cos, sin, kv_cache, ctx.meta.slot_mapping, positions, **norms)
             out = ctx.backend.attend(q, kv_cache, ctx.meta, self.scale)
             return self.o_proj(out.reshape(t, -1))
         if self.q_norm is not None:
@@ -103,7 +104,13 @@ class LlamaForCausalLM(torch.nn.Module):
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
         self.lm_head = None
         self.lm_head_int8: tuple[torch.Tensor, torch.Tensor] | None = None
-        if not cfg.tie_word_embeddings:
+        self.gemv = None
+        """trellm.kernels.gemv.GemvDispatch (CUDA): the LM head's skinny GEMM choice."""
+        head_method = get_lm_head_method(cfg.quantization_config)
+        if head_method is not None:
+            # A quantized head is its own tensor even when the embeddings are tied (EXL3).
+            self.lm_head = Linear(cfg.hidden_size, cfg.vocab_size, False, head_method, dtype)
+        elif not cfg.tie_word_embeddings:
             self.lm_head = torch.nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False, dtype=dtype)
             self.lm_head.weight.requires_grad_(False)
 
@@ -134,7 +141,13 @@ class LlamaForCausalLM(torch.nn.Module):
         if self.lm_head_int8 is not None:
             wq, scale = self.lm_head_int8
             return torch._weight_int8pack_mm(hidden.to(scale.dtype), wq, scale).float()
+        if isinstance(self.lm_head, Linear):
+            return self.lm_head(hidden).float()
         weight = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
+        if self.gemv is not None and self.gemv.wants(hidden, weight):
+            from trellm.kernels.gemv import gemv
+
+            return gemv(hidden, weight).float()
         return F.linear(hidden, weight).float()
 
     def use_int8_lm_head(self) -> None:
@@ -173,22 +186,25 @@ class LlamaForCausalLM(torch.nn.Module):
                 param.data.copy_(tensor.to(param.dtype))
             loaded.add(f"{key}#{shard}")
         self._check_all_loaded(loaded)
-        for m in self.modules():
+        for mname, m in self.named_modules():
             if hasattr(m, "method"):
-                m.method.process_after_loading(m)
+                try:
+                    m.method.process_after_loading(m)
+                except ValueError as e:
+                    raise ValueError(f"{mname}: {e}") from None
 
     def _load_targets(self) -> dict[str, tuple[torch.nn.Module, str]]:
         out: dict[str, tuple[torch.nn.Module, str]] = {}
         for mname, module in self.named_modules():
-            for pname, p in module.named_parameters(recurse=False):
-                if p is None:
-                    continue
+            for pname in _checkpoint_names(module) or [p for p, _ in module.named_parameters(recurse=False)]:
                 out[f"model.{mname}.{pname}" if mname != "lm_head" else f"lm_head.{pname}"] = (module, pname)
         return out
 
     def _check_all_loaded(self, loaded: set[str]) -> None:
         expected: set[str] = set()
         for key, (module, _) in self._load_targets().items():
+            if _checkpoint_names(module) is not None:
+                continue  # the layer's quant method checks its own tensors after loading
             if isinstance(module, MergedLinear):
                 expected |= {f"{key}#{s}" for s in range(len(module.out_sizes))}
             else:
@@ -196,6 +212,11 @@ class LlamaForCausalLM(torch.nn.Module):
         missing = sorted(expected - loaded)
         if missing:
             raise ValueError(f"checkpoint is missing {len(missing)} tensors, e.g. {missing[0].split('#')[0]}")
+
+
+def _checkpoint_names(module: torch.nn.Module) -> tuple[str, ...] | None:
+    method = getattr(module, "method", None)
+    return None if method is None else method.checkpoint_names(module)
 
 
 def _map_name(name: str) -> tuple[str, int | None]:

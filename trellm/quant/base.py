@@ -14,6 +14,16 @@ import torch.nn.functional as F
 class LinearMethod:
     """Strategy interface for a linear layer's weights and matmul."""
 
+    @classmethod
+    def from_config(cls, quantization_config: dict) -> "LinearMethod":
+        """The method for a checkpoint's ``quantization_config`` (methods that read it override)."""
+        return cls()
+
+    @classmethod
+    def for_lm_head(cls, quantization_config: dict) -> "LinearMethod | None":
+        """The method for the LM head, or None: the head stays a plain (or tied) weight."""
+        return None
+
     def create_weights(self, layer: torch.nn.Module, in_features: int, out_features: int,
                        bias: bool, dtype: torch.dtype) -> None:
         raise NotImplementedError
@@ -23,6 +33,13 @@ class LinearMethod:
         """Store a checkpoint tensor that the method keeps in its own format (rows =
         (start, size) of a MergedLinear shard, None = all). False: the layer does a plain copy."""
         return False
+
+    def checkpoint_names(self, layer: torch.nn.Module) -> tuple[str, ...] | None:
+        """The tensor names (after the module key) the layer takes from a checkpoint when
+        they are not its parameters, e.g. EXL3's ``trellis``/``suh``/...; the method then
+        checks in ``process_after_loading`` that what arrived is complete. None: the
+        layer's parameters, every one required (the model checks)."""
+        return None
 
     def process_after_loading(self, layer: torch.nn.Module) -> None:
         """Repack weights once they are loaded (no-op by default)."""
@@ -40,7 +57,14 @@ class UnquantizedLinearMethod(LinearMethod):
         layer.bias = (torch.nn.Parameter(torch.empty(out_features, dtype=dtype), requires_grad=False)
                       if bias else None)
 
+    gemv = None
+    """trellm.kernels.gemv.GemvDispatch on CUDA: our skinny GEMM where it timed faster."""
+
     def apply(self, layer, x):
+        if self.gemv is not None and self.gemv.wants(x, layer.weight):
+            from trellm.kernels.gemv import gemv
+
+            return gemv(x, layer.weight, layer.bias)
         return F.linear(x, layer.weight, layer.bias)
 
 
@@ -51,13 +75,22 @@ QUANT_METHODS: dict[str, type[LinearMethod]] = {
 
 def get_linear_method(quantization_config: dict | None) -> LinearMethod:
     """Pick the strategy from a checkpoint's ``quantization_config``."""
+    return _method_class(quantization_config).from_config(quantization_config or {})
+
+
+def get_lm_head_method(quantization_config: dict | None) -> LinearMethod | None:
+    """The LM head's strategy when the checkpoint quantizes it, else None (dense or tied)."""
+    return _method_class(quantization_config).for_lm_head(quantization_config or {})
+
+
+def _method_class(quantization_config: dict | None) -> type[LinearMethod]:
     _register_builtin_methods()
     method = (quantization_config or {}).get("quant_method", "none")
     cls = QUANT_METHODS.get(method)
     if cls is None:
         raise ValueError(f"unsupported quantization method {method!r} "
                          f"(supported: {', '.join(sorted(QUANT_METHODS))})")
-    return cls()
+    return cls
 
 
 def _register_builtin_methods() -> None:
@@ -67,3 +100,15 @@ def _register_builtin_methods() -> None:
         from trellm.quant.gguf_int4 import GGUFQ4LinearMethod
 
         QUANT_METHODS["gguf_q4"] = GGUFQ4LinearMethod
+    if "exl3" not in QUANT_METHODS:
+        from trellm.quant.exl3.method import EXL3DenseLinearMethod, EXL3LinearMethod
+
+        QUANT_METHODS["exl3"] = EXL3LinearMethod
+        # Not a checkpoint's method: what the builder picks for --quantization none on an
+        # EXL3 checkpoint (same tensors, decoded once into dense weights).
+        QUANT_METHODS["exl3_dense"] = EXL3DenseLinearMethod
+    if "int8" not in QUANT_METHODS:
+        from trellm.quant.int8 import Int8LinearMethod
+
+        # Not a checkpoint's method either: --quantization int8 (weights quantized at load time).
+        QUANT_METHODS["int8"] = Int8LinearMethod

@@ -14,7 +14,9 @@ from trellm.loader.checkpoint import Checkpoint, open_checkpoint
 from trellm.loader.errors import ModelLoadError
 from trellm.model.config import ArchConfig
 from trellm.model.registry import get_model_class
+from trellm.quant.exl3.loading import dummy_exl3_weights, resolve_quantization_config
 from trellm.quant.gguf_int4 import Q4_TYPES, Q4Tensor, cache_dense_weight, is_linear_weight
+from trellm.quant.int8 import int8_quantization_config
 from trellm.worker.cuda_graph import BUCKETS, DecodeGraphs
 from trellm.worker.memory_profile import profile_step_bytes
 from trellm.worker.model_runner import ModelRunner
@@ -69,6 +71,13 @@ def build_worker(config: EngineConfig) -> WorkerInfo:
         arch = ArchConfig.from_hf(ckpt.hf_config)
     except ValueError as e:
         raise ModelLoadError(f"invalid model config: {e}") from None
+    try:
+        arch = replace(arch, quantization_config=resolve_quantization_config(
+            arch.quantization_config, mc.quantization, mc.bits, ckpt.dummy))
+        if mc.quantization == "int8":
+            arch = replace(arch, quantization_config=int8_quantization_config(arch.quantization_config))
+    except ValueError as e:
+        raise ModelLoadError(f"{ckpt.source}: {e}") from None
     packed = keep_q4 and _all_linears_q4(ckpt)
     if packed:
         arch = replace(arch, quantization_config={"quant_method": "gguf_q4"})
@@ -98,6 +107,7 @@ def build_worker(config: EngineConfig) -> WorkerInfo:
     max_len = min(max_len, num_blocks * cc.block_size)
     if ops is not None:
         runner.ops = ops
+        _calibrate_gemv(model)
         if not mc.enforce_eager:
             runner.graphs = DecodeGraphs(model, backend, kv_caches, cc.block_size, max_len,
                                          min(config.scheduler.max_num_seqs, BUCKETS[-1]), device,
@@ -106,9 +116,37 @@ def build_worker(config: EngineConfig) -> WorkerInfo:
                       time.perf_counter() - t0)
     log.info("loaded %s (%s, %s, %s%s) in %.1fs; KV cache: %d blocks = %d tokens; context %d",
              ckpt.source, arch.architecture, device.type, str(dtype).removeprefix("torch."),
-             ", int4 linear weights" if packed else "", info.load_seconds, num_blocks,
+             ", int4 linear weights" if packed else _quant_note(arch), info.load_seconds, num_blocks,
              info.kv_capacity_tokens, max_len)
     return info
+
+
+def _calibrate_gemv(model: torch.nn.Module) -> None:
+    """CUDA: time our skinny-GEMM kernel against cuBLAS on each dense weight shape at
+    decode row counts, and let the linears (and the LM head) use it where it wins."""
+    from trellm.kernels.gemv import GemvDispatch
+    from trellm.quant.base import UnquantizedLinearMethod
+
+    # Exactly the dense method: subclasses may keep other weight formats.
+    linears = [m for m in model.modules() if type(getattr(m, "method", None)) is UnquantizedLinearMethod]
+    head = model.lm_head.weight if isinstance(model.lm_head, torch.nn.Linear) else (
+        model.embed_tokens.weight if model.lm_head is None else None)
+    weights = [m.weight for m in linears] + ([head] if head is not None else [])
+    if not weights:
+        return
+    try:
+        dispatch = GemvDispatch().calibrate(weights)
+    except Exception as e:  # a kernel that fails to build must not stop the engine: cuBLAS it is
+        log.warning("skinny-GEMM kernel unavailable (%s); using cuBLAS", str(e).splitlines()[0])
+        return
+    for m in linears:
+        m.method.gemv = dispatch
+    model.gemv = dispatch
+
+
+def _quant_note(arch: ArchConfig) -> str:
+    method = (arch.quantization_config or {}).get("quant_method")
+    return f", {method} linear weights" if method else ""
 
 
 def _cache_prefill_weights(model: torch.nn.Module, budget: int) -> None:
@@ -157,7 +195,10 @@ def _load_model(ckpt: Checkpoint, arch: ArchConfig, dtype, device, max_len: int,
     try:
         if ckpt.dummy:
             from trellm.model.llama import dummy_weights
-            model.load_weights(dummy_weights(arch, seed, device))
+            weights = dummy_weights(arch, seed, device)
+            if (arch.quantization_config or {}).get("quant_method") == "exl3":
+                weights = dummy_exl3_weights(weights, arch, seed, device)
+            model.load_weights(weights)
         elif dequantize_q4:
             model.load_weights((n, t.dequantize() if isinstance(t, Q4Tensor) else t)
                                for n, t in ckpt.tensors())

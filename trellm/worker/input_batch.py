@@ -8,6 +8,7 @@ import torch
 from trellm.attention.torch_paged import AttentionMetadata, DecodeGroup, PrefillSeq, decode_mask
 from trellm.engine.request import token_slice
 from trellm.engine.types import StepPlan
+from trellm.host_copy import device_tensor
 from trellm.sampling_params import SamplingParams
 
 
@@ -20,10 +21,17 @@ class CachedRequestState:
     block_ids: list[int]
     num_computed_tokens: int
     generator: torch.Generator | None
+    pending: tuple[torch.Tensor, int] | None = None
+    """Async scheduling: the last sampled token is still on the device, as row
+    ``pending[1]`` of ``pending[0]``; it counts in ``num_tokens`` already."""
 
     @property
     def num_tokens(self) -> int:
-        return len(self.prompt_token_ids) + len(self.output_token_ids)
+        return len(self.prompt_token_ids) + len(self.output_token_ids) + (self.pending is not None)
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.output_token_ids) + (self.pending is not None)
 
     def token_slice(self, start: int, end: int) -> list[int]:
         return token_slice(self.prompt_token_ids, self.output_token_ids, start, end)
@@ -50,6 +58,16 @@ class BatchInputs:
     prompt_spans: list[PromptLogprobSpan] = field(default_factory=list)
 
 
+def _fill_pending(ids: torch.Tensor, pending: list[tuple[int, torch.Tensor, int]]) -> None:
+    """Write tokens sampled last step, still on the device, into the flat input ids."""
+    src = pending[0][1]
+    if any(p[1] is not src for p in pending):
+        raise RuntimeError("pending tokens from more than one step")
+    dst = device_tensor([p[0] for p in pending], ids.device)
+    rows = device_tensor([p[2] for p in pending], src.device)
+    ids.index_copy_(0, dst, src.index_select(0, rows))
+
+
 def build_batch(plan: StepPlan, states: dict[str, CachedRequestState], block_size: int,
                 device: torch.device) -> BatchInputs:
     """Flatten the plan: decode requests (one new token) first so they form one
@@ -65,11 +83,16 @@ def build_batch(plan: StepPlan, states: dict[str, CachedRequestState], block_siz
     logit_rows: list[int] = []
     samplers: list[tuple[CachedRequestState, int]] = []
     spans: list[PromptLogprobSpan] = []
+    pending: list[tuple[int, torch.Tensor, int]] = []
     for rid, n in order:
         st = states[rid]
         start, end = st.num_computed_tokens, st.num_computed_tokens + n
         q_start = len(ids)
         ids.extend(st.token_slice(start, end))
+        if st.pending is not None and end == st.num_tokens:
+            # The last position is the token in flight: a placeholder, filled on the device.
+            pending.append((len(ids), *st.pending))
+            ids.append(0)
         pos.extend(range(start, end))
         slots.extend(st.block_ids[p // block_size] * block_size + p % block_size for p in range(start, end))
         if n == 1:
@@ -84,11 +107,14 @@ def build_batch(plan: StepPlan, states: dict[str, CachedRequestState], block_siz
             samplers.append((st, len(logit_rows)))
             logit_rows.append(q_start + n - 1)
     meta = _metadata(slots, dec_rows, dec_tables, dec_lens, prefills, block_size, device)
+    input_ids = device_tensor(ids, device)
+    if pending:
+        _fill_pending(input_ids, pending)
     return BatchInputs(
-        input_ids=torch.tensor(ids, dtype=torch.long, device=device),
-        positions=torch.tensor(pos, dtype=torch.long, device=device),
+        input_ids=input_ids,
+        positions=device_tensor(pos, device),
         meta=meta,
-        logits_index=torch.tensor(logit_rows, dtype=torch.long, device=device),
+        logits_index=device_tensor(logit_rows, device),
         samplers=samplers,
         prompt_spans=spans,
     )
@@ -117,14 +143,14 @@ def _metadata(slots, dec_rows, dec_tables, dec_lens, prefills, block_size, devic
     decode = None
     if dec_rows:
         width = max(len(t) for t in dec_tables)
-        table = torch.zeros(len(dec_tables), width, dtype=torch.long)
+        table = torch.zeros(len(dec_tables), width, dtype=torch.long, pin_memory=device.type == "cuda")
         for i, t in enumerate(dec_tables):
             table[i, : len(t)] = torch.tensor(t, dtype=torch.long)
-        seq_lens = torch.tensor(dec_lens, dtype=torch.long, device=device)
+        seq_lens = device_tensor(dec_lens, device)
         padded = min(dec_lens) != max(dec_lens)
         decode = DecodeGroup(
-            token_index=torch.tensor(dec_rows, dtype=torch.long, device=device),
-            block_table=table.to(device),
+            token_index=device_tensor(dec_rows, device),
+            block_table=table.to(device, non_blocking=True),
             seq_lens=seq_lens,
             max_seq_len=max(dec_lens),
             attn_mask=decode_mask(seq_lens, max(dec_lens)) if padded else None,
@@ -132,9 +158,9 @@ def _metadata(slots, dec_rows, dec_tables, dec_lens, prefills, block_size, devic
         )
     prefill_seqs = [
         PrefillSeq(q_start=qs, q_len=n, seq_len=end,
-                   block_ids=torch.tensor(blocks, dtype=torch.long, device=device))
+                   block_ids=device_tensor(blocks, device))
         for qs, n, end, blocks in prefills
     ]
     return AttentionMetadata(
-        slot_mapping=torch.tensor(slots, dtype=torch.long, device=device),
+        slot_mapping=device_tensor(slots, device),
         decode=decode, prefills=prefill_seqs, block_size=block_size)

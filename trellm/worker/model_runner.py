@@ -7,8 +7,9 @@ from dataclasses import dataclass
 import torch
 
 from trellm.engine.types import StepPlan, StepResult, TokenLogprobs
+from trellm.host_copy import device_tensor
 from trellm.worker.input_batch import BatchInputs, CachedRequestState, build_batch
-from trellm.worker.sampler import Sampler, SamplingRow, compute_prompt_logprobs, make_generator
+from trellm.worker.sampler import Sampler, SamplingRow, compute_prompt_logprobs, is_device_only, make_generator
 
 
 @dataclass
@@ -22,6 +23,19 @@ class ForwardContext:
     """RoPE tables for this step's positions, filled once by the model for all layers."""
     ops: object | None = None
     """trellm.kernels.FusedOps: the model takes its fused path (GPU kernels); None: plain ops."""
+
+
+@dataclass
+class LaunchedStep:
+    """A step queued on the device whose sampled tokens are not yet on the host."""
+
+    tokens: torch.Tensor | None
+    """Sampled token ids on the device (the next step's inputs read them there)."""
+    host_tokens: torch.Tensor | None
+    """Filled by a non-blocking copy; valid once ``done`` has completed."""
+    states: list[CachedRequestState]
+    done: object | None
+    """torch.cuda.Event recorded after the copy (None on the CPU: already done)."""
 
 
 class ModelRunner:
@@ -45,6 +59,62 @@ class ModelRunner:
         self._update_states(plan)
         if plan.is_empty:
             return StepResult()
+        batch, logits = self._forward(plan)
+        return self._sample(batch, logits)
+
+    def can_launch(self, plan: StepPlan) -> bool:
+        """Whether ``launch`` can run the plan: every request samples on the device
+        alone (no log-probs, no penalties or min_tokens that read past tokens)."""
+        if plan.is_empty:
+            return False
+        params = {new.request_id: new.sampling_params for new in plan.new_requests}
+        for rid in plan.num_scheduled_tokens:
+            p = params.get(rid) or self.states[rid].params
+            if not is_device_only(p):
+                return False
+        return True
+
+    @torch.inference_mode()
+    def launch(self, plan: StepPlan) -> "LaunchedStep":
+        """Queue the step on the device and return at once; ``resolve`` gives its result.
+        Sampled tokens stay on the device as the next step's inputs, so the host can
+        plan and prepare step n+1 while the device runs step n."""
+        self._update_states(plan)
+        batch, logits = self._forward(plan)
+        if not batch.samplers:
+            return LaunchedStep(None, None, [], None)
+        for st, _ in batch.samplers:
+            self._reseed(st)
+        rows = [SamplingRow(st.params, st.prompt_token_ids, st.output_token_ids,
+                            self.eos_token_ids, st.generator) for st, _ in batch.samplers]
+        picked = [r for _, r in batch.samplers]
+        if picked != list(range(logits.shape[0])):  # all rows sample in a decode step: no gather
+            logits = logits[device_tensor(picked, logits.device)]
+        tokens = self.sampler.sample_on_device(logits, rows)
+        for i, (st, _) in enumerate(batch.samplers):
+            st.pending = (tokens, i)
+        host = tokens.to("cpu", non_blocking=True) if tokens.is_cuda else tokens
+        done = None
+        if tokens.is_cuda:
+            done = torch.cuda.Event()
+            done.record()
+        return LaunchedStep(tokens, host, [st for st, _ in batch.samplers], done)
+
+    def resolve(self, step: "LaunchedStep") -> StepResult:
+        """Wait for a launched step's tokens and hand them to the scheduler."""
+        if step.host_tokens is None:
+            return StepResult()
+        if step.done is not None:
+            step.done.synchronize()
+        sampled: dict[str, tuple[int, ...]] = {}
+        for st, tok in zip(step.states, step.host_tokens.tolist()):
+            st.output_token_ids.append(tok)
+            if st.pending is not None and st.pending[0] is step.tokens:
+                st.pending = None  # else a later launched step's token is the one in flight
+            sampled[st.request_id] = (tok,)
+        return StepResult(sampled_token_ids=sampled)
+
+    def _forward(self, plan: StepPlan) -> tuple[BatchInputs, torch.Tensor | None]:
         batch = build_batch(plan, self.states, self.block_size, self.device)
         # Graphs take steps whose every row is a decode token with a logits row, in order.
         if (self.graphs is not None and not batch.prompt_spans
@@ -57,7 +127,7 @@ class ModelRunner:
             logits = self.model.compute_logits(hidden[batch.logits_index]) if len(batch.logits_index) else None
         for rid, n in plan.num_scheduled_tokens.items():
             self.states[rid].num_computed_tokens += n
-        return self._sample(batch, logits)
+        return batch, logits
 
     def _update_states(self, plan: StepPlan) -> None:
         for rid in plan.finished_request_ids:
@@ -82,7 +152,7 @@ class ModelRunner:
         # Seed each draw from (seed, output position): a seeded request then gives
         # the same tokens whatever its batch, and after preemption, with no replay.
         if st.generator is not None:
-            st.generator.manual_seed((st.params.seed * 1_000_003 + len(st.output_token_ids)) % (2**63))
+            st.generator.manual_seed((st.params.seed * 1_000_003 + st.num_output_tokens) % (2**63))
 
     def _sample(self, batch: BatchInputs, logits: torch.Tensor | None) -> StepResult:
         sampled: dict[str, tuple[int, ...]] = {}
@@ -93,7 +163,7 @@ class ModelRunner:
                 self._reseed(st)
             rows = [SamplingRow(st.params, st.prompt_token_ids, st.output_token_ids,
                                 self.eos_token_ids, st.generator) for st, _ in batch.samplers]
-            idx = torch.tensor([r for _, r in batch.samplers], device=logits.device)
+            idx = device_tensor([r for _, r in batch.samplers], logits.device)
             tokens, lps = self.sampler(logits[idx], rows)
             for (st, _), tok, lp in zip(batch.samplers, tokens, lps):
                 st.output_token_ids.append(tok)

@@ -16,6 +16,7 @@ from typing import Sequence
 import torch
 
 from trellm.engine.types import TokenLogprobs
+from trellm.host_copy import device_tensor
 from trellm.sampling_params import SamplingParams
 
 # Temperatures below this are treated as greedy: dividing by them would overflow
@@ -74,11 +75,19 @@ def _needs_processing(rows: Sequence[SamplingRow]) -> bool:
     return False
 
 
+def is_device_only(params: SamplingParams) -> bool:
+    """The row can be sampled without the host: no log-probs to return and no
+    processor that reads the tokens generated so far (async scheduling needs this)."""
+    return (params.logprobs is None and params.prompt_logprobs is None and not params.logit_bias
+            and params.repetition_penalty == 1.0 and params.frequency_penalty == 0.0
+            and params.presence_penalty == 0.0 and params.min_tokens == 0)
+
+
 def _padded(seqs: list[list[int]], pad: int, device: torch.device) -> torch.Tensor:
     """Right-pad token lists into a [len(seqs), max_len] long tensor."""
     width = max((len(s) for s in seqs), default=0)
     data = [s + [pad] * (width - len(s)) for s in seqs]
-    return torch.tensor(data, dtype=torch.long, device=device).reshape(len(seqs), width)
+    return device_tensor(data, device, torch.long).reshape(len(seqs), width)
 
 
 def _apply_min_tokens_(x: torch.Tensor, rows: Sequence[SamplingRow]) -> None:
@@ -92,7 +101,7 @@ def _apply_min_tokens_(x: torch.Tensor, rows: Sequence[SamplingRow]) -> None:
                 t_idx.append(t)
     if r_idx:
         dev = x.device
-        x[torch.tensor(r_idx, device=dev), torch.tensor(t_idx, device=dev)] = _NEG_INF
+        x[device_tensor(r_idx, dev), device_tensor(t_idx, dev)] = _NEG_INF
 
 
 def _apply_logit_bias_(x: torch.Tensor, rows: Sequence[SamplingRow]) -> None:
@@ -108,8 +117,8 @@ def _apply_logit_bias_(x: torch.Tensor, rows: Sequence[SamplingRow]) -> None:
                 vals.append(b)
     if r_idx:
         dev = x.device
-        x.index_put_((torch.tensor(r_idx, device=dev), torch.tensor(t_idx, device=dev)),
-                     torch.tensor(vals, dtype=x.dtype, device=dev), accumulate=True)
+        x.index_put_((device_tensor(r_idx, dev), device_tensor(t_idx, dev)),
+                     device_tensor(vals, dev, x.dtype), accumulate=True)
 
 
 def _apply_repetition_penalty_(x: torch.Tensor, rows: Sequence[SamplingRow]) -> None:
@@ -123,9 +132,8 @@ def _apply_repetition_penalty_(x: torch.Tensor, rows: Sequence[SamplingRow]) -> 
     seen = torch.zeros(len(sel), vocab + 1, dtype=torch.bool, device=dev)
     seen.scatter_(1, toks, True)
     seen = seen[:, :vocab]
-    idx = torch.tensor(sel, device=dev)
-    pen = torch.tensor([rows[i].params.repetition_penalty for i in sel],
-                       dtype=x.dtype, device=dev)[:, None]
+    idx = device_tensor(sel, dev)
+    pen = device_tensor([rows[i].params.repetition_penalty for i in sel], dev, x.dtype)[:, None]
     sub = x[idx]
     penalized = torch.where(sub > 0, sub / pen, sub * pen)
     x[idx] = torch.where(seen, penalized, sub)
@@ -142,9 +150,9 @@ def _apply_freq_presence_(x: torch.Tensor, rows: Sequence[SamplingRow]) -> None:
     counts = torch.zeros(len(sel), vocab + 1, dtype=x.dtype, device=dev)
     counts.scatter_add_(1, toks, torch.ones_like(toks, dtype=x.dtype))
     counts = counts[:, :vocab]
-    freq = torch.tensor([rows[i].params.frequency_penalty for i in sel], dtype=x.dtype, device=dev)
-    pres = torch.tensor([rows[i].params.presence_penalty for i in sel], dtype=x.dtype, device=dev)
-    idx = torch.tensor(sel, device=dev)
+    freq = device_tensor([rows[i].params.frequency_penalty for i in sel], dev, x.dtype)
+    pres = device_tensor([rows[i].params.presence_penalty for i in sel], dev, x.dtype)
+    idx = device_tensor(sel, dev)
     x[idx] = x[idx] - freq[:, None] * counts - pres[:, None] * (counts > 0).to(x.dtype)
 
 
@@ -200,7 +208,7 @@ def _exponential_race(probs: torch.Tensor, generators: Sequence[torch.Generator 
         if len(free) == probs.shape[0]:
             q = torch.empty_like(probs).exponential_()
             return (probs / q).argmax(dim=-1)
-        idx = torch.tensor(free, device=probs.device)
+        idx = device_tensor(free, probs.device)
         p = probs[idx]
         out[idx] = (p / torch.empty_like(p).exponential_()).argmax(dim=-1)
     for i, g in enumerate(generators):
@@ -214,17 +222,17 @@ def _sample_random(x: torch.Tensor, rows: Sequence[SamplingRow]) -> torch.Tensor
     """Temperature, min_p, top_k, top_p and a draw for non-greedy rows ([b, V] float32)."""
     dev, vocab = x.device, x.shape[-1]
     params = [r.params for r in rows]
-    temps = torch.tensor([p.temperature for p in params], dtype=x.dtype, device=dev)
+    temps = device_tensor([p.temperature for p in params], dev, x.dtype)
     x = x / temps[:, None]
     if any(p.min_p > 0.0 for p in params):
-        _apply_min_p_(x, torch.tensor([p.min_p for p in params], dtype=x.dtype, device=dev))
+        _apply_min_p_(x, device_tensor([p.min_p for p in params], dev, x.dtype))
     use_k = any(0 < p.top_k < vocab for p in params)
     use_p = any(p.top_p < 1.0 for p in params)
     if use_k or use_p:
-        k = torch.tensor([p.top_k if 0 < p.top_k < vocab else vocab for p in params],
-                         dtype=torch.long, device=dev) if use_k else None
-        tp = torch.tensor([p.top_p if p.top_p < 1.0 else 2.0 for p in params],
-                          dtype=x.dtype, device=dev) if use_p else None
+        k = device_tensor([p.top_k if 0 < p.top_k < vocab else vocab for p in params],
+                          dev) if use_k else None
+        tp = device_tensor([p.top_p if p.top_p < 1.0 else 2.0 for p in params],
+                           dev, x.dtype) if use_p else None
         x = _apply_top_k_top_p(x, k, tp)
     probs = torch.softmax(x, dim=-1)
     return _exponential_race(probs, [r.generator for r in rows])
@@ -283,6 +291,12 @@ class Sampler:
             tokens = self._pick(apply_penalties(logits, rows), rows)
         return tokens.tolist(), self._sampled_logprobs(logits, tokens, rows)
 
+    def sample_on_device(self, logits: torch.Tensor, rows: Sequence[SamplingRow]) -> torch.Tensor:
+        """Token ids [B] left on the device, for rows that pass ``is_device_only``."""
+        if all(_is_greedy(r.params) for r in rows) and not self.force_slow_path:
+            return logits.argmax(dim=-1)
+        return self._pick(logits, rows)
+
     @staticmethod
     def _pick(x: torch.Tensor, rows: Sequence[SamplingRow]) -> torch.Tensor:
         greedy = [i for i, r in enumerate(rows) if _is_greedy(r.params)]
@@ -292,10 +306,10 @@ class Sampler:
             return _sample_random(x, rows)
         dev = x.device
         out = torch.empty(len(rows), dtype=torch.long, device=dev)
-        g_idx = torch.tensor(greedy, device=dev)
+        g_idx = device_tensor(greedy, dev)
         out[g_idx] = x[g_idx].argmax(dim=-1)
         rand = [i for i, r in enumerate(rows) if not _is_greedy(r.params)]
-        r_idx = torch.tensor(rand, device=dev)
+        r_idx = device_tensor(rand, dev)
         out[r_idx] = _sample_random(x[r_idx], [rows[i] for i in rand])
         return out
 
@@ -311,7 +325,7 @@ class Sampler:
         if len(want) == len(rows):
             raw, targets = logits, tokens
         else:
-            idx = torch.tensor(want, device=logits.device)
+            idx = device_tensor(want, logits.device)
             raw, targets = logits[idx], tokens[idx]
         lp = torch.log_softmax(raw.to(torch.float32), dim=-1)
         entries = _logprob_entries(lp, targets, [rows[i].params.logprobs or 0 for i in want])

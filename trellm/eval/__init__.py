@@ -1,0 +1,1 @@
+"""Model quality evaluation: KL divergence of a student model from a teacher."""

@@ -1,0 +1,145 @@
+"""Skinny GEMM (a few activation rows times a dense weight) in Triton.
+
+At decode batch sizes a linear layer is a read of its weight: the time is bytes over
+bandwidth plus how well the launch fills the chip. cuBLAS's heuristics pick poorly
+for some decode shapes (measured on the H200: 4096x4096 at 2.7 TB/s, 1024x2048 at
+0.4 TB/s, against ~4 TB/s for the big MLP matrices). This kernel gives each program
+a strip of ``BLOCK_N`` output features and streams their rows over K, keeping every
+row in flight at once; products accumulate elementwise in float32 and are reduced
+once at the end.
+
+Whether it replaces cuBLAS for a (shape, rows) is decided by timing both on the
+device (``GemvDispatch``), never assumed: the issue asks for cuBLAS unless ours is
+measured faster.
+"""
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass, field
+
+import torch
+import torch.nn.functional as F
+
+from trellm.kernels._triton import tl, triton
+
+log = logging.getLogger("trellm")
+
+MAX_ROWS = 8
+"""Largest activation row count the kernel takes (it keeps all rows in registers)."""
+
+
+@triton.jit
+def _gemv_kernel(x_ptr, w_ptr, b_ptr, y_ptr, M, N, K, stride_xm, stride_wn, stride_ym,
+                 BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                 HAS_BIAS: tl.constexpr):
+    pid = tl.program_id(0)
+    offs_n = pid * BLOCK_N + tl.arange(0, BLOCK_N)
+    offs_m = tl.arange(0, BLOCK_M)
+    n_mask = offs_n < N
+    m_mask = offs_m < M
+    acc = tl.zeros((BLOCK_M, BLOCK_N, BLOCK_K), dtype=tl.float32)
+    w_rows = w_ptr + offs_n.to(tl.int64)[:, None] * stride_wn
+    for k0 in range(0, K, BLOCK_K):
+        offs_k = k0 + tl.arange(0, BLOCK_K)
+        k_mask = offs_k < K
+        w = tl.load(w_rows + offs_k[None, :], mask=n_mask[:, None] & k_mask[None, :], other=0.0)
+        x = tl.load(x_ptr + offs_m[:, None] * stride_xm + offs_k[None, :],
+                    mask=m_mask[:, None] & k_mask[None, :], other=0.0)
+        acc += x.to(tl.float32)[:, None, :] * w.to(tl.float32)[None, :, :]
+    y = tl.sum(acc, axis=2)
+    if HAS_BIAS:
+        y += tl.load(b_ptr + offs_n, mask=n_mask, other=0.0).to(tl.float32)[None, :]
+    tl.store(y_ptr + offs_m[:, None] * stride_ym + offs_n[None, :], y.to(y_ptr.dtype.element_ty),
+             mask=m_mask[:, None] & n_mask[None, :])
+
+
+def _blocks(m: int, n: int) -> tuple[int, int, int]:
+    block_m = triton.next_power_of_2(max(m, 1))
+    # Enough programs to cover the SMs a few times over; at least 4 rows per program.
+    block_n = 16 if n >= 16 * 512 else 8 if n >= 8 * 256 else 4
+    # Keep the per-program accumulator near 4k floats (registers, not spills).
+    block_k = max(32, 4096 // (block_m * block_n))
+    return block_m, block_n, block_k
+
+
+def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """``F.linear(x, weight, bias)`` for x [M, K] with M <= MAX_ROWS, weight [N, K]."""
+    m, k = x.shape
+    n = weight.shape[0]
+    if m > MAX_ROWS or weight.shape[1] != k or weight.stride(1) != 1:
+        raise ValueError(f"gemv takes x [<= {MAX_ROWS}, K] and a row-major weight [N, K]; "
+                         f"got {tuple(x.shape)} and {tuple(weight.shape)}")
+    if x.stride(1) != 1:
+        x = x.contiguous()
+    y = torch.empty(m, n, dtype=x.dtype, device=x.device)
+    if m == 0 or n == 0:
+        return y
+    bm, bn, bk = _blocks(m, n)
+    _gemv_kernel[(triton.cdiv(n, bn),)](
+        x, weight, bias if bias is not None else weight, y, m, n, k,
+        x.stride(0), weight.stride(0), y.stride(0),
+        BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, HAS_BIAS=bias is not None, num_warps=4)
+    return y
+
+
+def gemv_ref(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """Reference: float32 math, rounded once to x's dtype."""
+    y = x.float() @ weight.float().t()
+    if bias is not None:
+        y = y + bias.float()
+    return y.to(x.dtype)
+
+
+@dataclass
+class GemvDispatch:
+    """Per (N, K, rows): use ``gemv`` where it timed faster than cuBLAS on this device."""
+
+    use_kernel: dict[tuple[int, int, int], bool] = field(default_factory=dict)
+    timings_us: dict[tuple[int, int, int], tuple[float, float]] = field(default_factory=dict)
+    """(cuBLAS, kernel) microseconds per call, for the log and benchmarks."""
+
+    def wants(self, x: torch.Tensor, weight: torch.Tensor) -> bool:
+        m = x.shape[0] if x.dim() == 2 else -1
+        return self.use_kernel.get((weight.shape[0], weight.shape[1], m), False)
+
+    def calibrate(self, weights: list[torch.Tensor], rows: tuple[int, ...] = (1, 2, 4, 8),
+                  margin: float = 0.95) -> "GemvDispatch":
+        """Time both on every distinct weight shape; the kernel must win by 5%."""
+        t0 = time.perf_counter()
+        seen: set[tuple[int, int]] = set()
+        for w in weights:
+            shape = (w.shape[0], w.shape[1])
+            if shape in seen or w.stride(1) != 1:
+                continue
+            seen.add(shape)
+            for m in rows:
+                x = torch.randn(m, w.shape[1], dtype=w.dtype, device=w.device)
+                cublas = _time_us(lambda: F.linear(x, w))
+                ours = _time_us(lambda: gemv(x, w))
+                key = (shape[0], shape[1], m)
+                self.timings_us[key] = (cublas, ours)
+                self.use_kernel[key] = ours < margin * cublas
+        picked = sorted(k for k, v in self.use_kernel.items() if v)
+        log.info("skinny GEMM: Triton kernel for %d of %d (N, K, rows) cases (%.1fs): %s",
+                 len(picked), len(self.use_kernel), time.perf_counter() - t0, picked)
+        return self
+
+
+def _time_us(fn, iters: int = 30) -> float:
+    """Median-free but warm: CUDA-event time of ``iters`` back-to-back calls."""
+    for _ in range(3):
+        fn()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    # A graph removes launch overhead, as in the decode graphs where these run.
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for _ in range(iters):
+            fn()
+    graph.replay()
+    torch.cuda.synchronize()
+    start.record()
+    graph.replay()
+    end.record()
+    torch.cuda.synchronize()
+    return start.elapsed_time(end) * 1e3 / iters

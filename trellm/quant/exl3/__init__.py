@@ -1,0 +1,9 @@
+"""EXL3 (ExLlamaV3's trellis-coded weights): format, reference decoder, linear method.
+
+``weight.py`` (the per-projection tensors, checked), ``codebook.py`` (state -> value),
+``hadamard.py`` (the 128-point transform), ``reference.py`` (the pure-PyTorch decoder
+and forward: the CPU path and every kernel's oracle), ``method.py`` (the
+``LinearMethod`` and the kernel hook), ``loading.py`` (what ``--quantization`` /
+``--bits`` select, random EXL3 weights for ``dummy:`` models). docs/architecture.md
+describes the format and the design.
+"""
