@@ -260,7 +260,7 @@ def test_quantization_is_validated():
     from trellm.config import EngineConfig, ModelConfig
 
     with pytest.raises(ValueError, match="--quantization"):
-        EngineConfig(model=ModelConfig(quantization="int8")).validate()
+        EngineConfig(model=ModelConfig(quantization="int3")).validate()
 
 
 PROMPTS = [

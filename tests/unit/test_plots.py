@@ -8,3 +8,16 @@ def test_decode_vs_context_png(tmp_path):
     plot_decode_vs_context(ladder, "test", out, roofline={"1024": 280.0, "131072": 220.0})
     data = out.read_bytes()
     assert data[:8] == b"\x89PNG\r\n\x1a\n" and len(data) > 5000
+
+
+def test_serve_compare_png(tmp_path):
+    from trellm.bench.serve_plots import plot_serve_compare
+
+    def level(c, agg):
+        return {"concurrency": c, "aggregate_output_tok_s": agg, "stream_decode_tok_s": {"mean": agg / c},
+                "ttft_ms": {"p50": 100.0 * c}}
+
+    out = tmp_path / "cmp.png"
+    plot_serve_compare({"a": [level(1, 20.0), level(2, 35.0)], "b": [level(1, 60.0), level(2, 50.0)]},
+                       "t", out)
+    assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and out.stat().st_size > 10_000

@@ -42,3 +42,31 @@ def plot_serve_sweep(levels: Sequence[dict], title: str, path: str | Path) -> No
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
+
+
+def plot_serve_compare(runs: dict[str, Sequence[dict]], title: str, path: str | Path) -> None:
+    """Several servers' sweeps on shared axes: aggregate output tok/s, tok/s per stream
+    and TTFT p50 against concurrency. ``runs``: label -> the "levels" list of a result."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, 3, figsize=(13, 4))
+    panels = (("aggregate output tok/s", lambda lv: lv["aggregate_output_tok_s"]),
+              ("tok/s per stream (mean, first token excluded)", lambda lv: _value(lv["stream_decode_tok_s"], "mean")),
+              ("TTFT p50 (ms)", lambda lv: _value(lv["ttft_ms"], "p50")))
+    for ax, (name, get) in zip(axes, panels):
+        for label, levels in runs.items():
+            conc = [lv["concurrency"] for lv in levels]
+            ax.plot(conc, [get(lv) for lv in levels], "o-", label=label)
+            ax.set_xscale("log", base=2)
+            ax.set_xticks(conc, [str(c) for c in conc])
+        ax.set_title(name, fontsize=10)
+        ax.set_xlabel("concurrent requests")
+        ax.set_ylim(bottom=0)
+        ax.legend(fontsize=8)
+    fig.suptitle(title, fontsize=11)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)

@@ -124,13 +124,15 @@ def _machine(device) -> dict:
 
 
 def markdown_table(report: dict) -> str:
-    rows = ["| student | method | bpw | KL mean | KL median | KL p99 | top-1 agree | PPL student | PPL teacher |",
-            "|---|---|---:|---:|---:|---:|---:|---:|---:|"]
+    rows = ["| student | method | bpw | stored bpw | KL mean | KL median | KL p99 | top-1 agree | PPL student | "
+            "PPL teacher |", "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|"]
     for r in report["results"]:
-        bpw = "-" if r["bpw"] is None else f"{r['bpw']:.3f}"
-        rows.append(f"| {r['student']} | {r['method']} | {bpw} | {r['kl_mean']:.5f} | {r['kl_median']:.5f} | "
+        bpw, stored = (("-" if v is None else f"{v:.3f}") for v in (r["bpw"], r["stored_bpw"]))
+        rows.append(f"| {r['student']} | {r['method']} | {bpw} | {stored} | {r['kl_mean']:.5f} | "
+                    f"{r['kl_median']:.5f} | "
                     f"{r['kl_p99']:.4f} | {100 * r['top1_agreement']:.2f}% | {r['ppl_student']:.3f} | "
                     f"{r['ppl_teacher']:.3f} |")
     note = (f"\n{report['text_tokens']} tokens of {report['text']}, windows of {report['context']}, "
-            f"{report['dtype']} on {report['machine']['device']}; KL(teacher || student) in nats per token.")
+            f"{report['dtype']} on {report['machine']['device']}; KL(teacher || student) in nats per token. "
+            "bpw: decoder linears, scales included; stored bpw also counts EXL3's padding to 128-wide blocks.")
     return "\n".join(rows) + "\n" + note

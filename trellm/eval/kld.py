@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import torch
 from tqdm import tqdm
@@ -53,6 +54,8 @@ class LoadedModel:
     """What runs the decoder linears: 'dense', 'exl3', 'int8', 'rtn4g32', ..."""
     bpw: float | None
     """Decoder-linear bits per weight (see ``decoder_bpw``); None when unknown."""
+    stored_bpw: float | None = None
+    """The same with EXL3's padding to 128-wide blocks counted (equal for other methods)."""
 
 
 @dataclass(frozen=True)
@@ -63,6 +66,7 @@ class KLDResult:
     student_quantization: str
     method: str
     bpw: float | None
+    stored_bpw: float | None
     tokens: int
     windows: int
     context: int
@@ -100,12 +104,12 @@ def load_model(spec: ModelSpec, device: str = "auto", dtype: str = "float32", co
     if quantization not in ("none", "auto") and method == "dense":
         raise ValueError(f"--quantization {quantization} left {spec.model or 'the model'} unquantized "
                          f"(no decoder linear uses a quantized method)")
-    bpw = decoder_bpw(model, method, rtn)
-    if bpw is None and method == "exl3":
-        # --quantization none decoded the trellises into dense weights: the checkpoint's own bits.
-        bpw = (worker.arch.quantization_config or {}).get("bits")
+    bpw = stored = decoder_bpw(model, method, rtn)
+    if method == "exl3":
+        # From the files: the same whether the trellises run as EXL3 or were decoded to dense.
+        bpw, stored = exl3_checkpoint_bpw(spec.model, worker.arch)
     return LoadedModel(spec, model, worker.runner.backend, worker.runner.ops, worker.checkpoint.tokenizer,
-                       worker.device, worker.dtype, method, bpw)
+                       worker.device, worker.dtype, method, bpw, stored)
 
 
 def _decoder_linears(model: torch.nn.Module) -> list[torch.nn.Module]:
@@ -123,24 +127,50 @@ def _method(model: torch.nn.Module, rtn: RTNSpec | None) -> str:
 
 
 def decoder_bpw(model: torch.nn.Module, method: str, rtn: RTNSpec | None) -> float | None:
-    """Bits per decoder-linear weight as stored: EXL3 trellis + suh/svh (fp16) over the
-    unpadded weights; INT8 8 bits + an fp16-sized scale per row; RTN by its formula;
-    dense 16 (an fp16/bf16 checkpoint). The LM head and embeddings are not counted."""
-    linears = _decoder_linears(model)
-    weights = sum(m.in_features * m.out_features for m in linears)
+    """Bits per decoder-linear weight: INT8 8 bits + an fp16-sized scale per row; RTN by
+    its formula; dense 16 (an fp16/bf16 checkpoint); EXL3 see ``exl3_checkpoint_bpw``.
+    The LM head and embeddings are not counted."""
     if rtn is not None:
         return rtn.bpw
     if method == "dense":
         return 16.0
-    if method == "exl3":
-        bits = 0
-        for m in linears:
-            for p in getattr(m, "exl3_parts", []):
-                bits += p.trellis.numel() * 16 + (p.suh.numel() + p.svh.numel()) * 16
-        return bits / weights if bits else None
     if method == "int8":
+        linears = _decoder_linears(model)
+        weights = sum(m.in_features * m.out_features for m in linears)
         return sum(m.in_features * m.out_features * 8 + m.out_features * 16 for m in linears) / weights
     return None
+
+
+_SHAPES = {"q_proj": ("hidden", "q"), "k_proj": ("hidden", "kv"), "v_proj": ("hidden", "kv"),
+           "o_proj": ("q", "hidden"), "gate_proj": ("hidden", "inter"), "up_proj": ("hidden", "inter"),
+           "down_proj": ("inter", "hidden")}
+
+
+def exl3_checkpoint_bpw(path: str, arch) -> tuple[float | None, float | None]:
+    """EXL3 decoder bits per weight from the checkpoint's tensor shapes: K per weight plus
+    the fp16 suh/svh, over the real weights (spec §1.1: ``K + 16 (in + out) / (in out)``);
+    and the stored figure, whose trellis covers the sizes padded to 128."""
+    from safetensors import safe_open
+
+    from trellm.loader.hf_loader import weight_files
+
+    dims = {"hidden": arch.hidden_size, "q": arch.num_heads * arch.head_dim,
+            "kv": arch.num_kv_heads * arch.head_dim, "inter": arch.intermediate_size}
+    shapes = {}
+    for f in weight_files(Path(path)):
+        with safe_open(str(f), framework="pt") as sf:
+            for k in sf.keys():
+                if k.startswith("model.layers.") and k.endswith((".trellis", ".suh", ".svh")):
+                    shapes[k] = sf.get_slice(k).get_shape()
+    real = bits = stored = 0.0
+    for key in {k.rsplit(".", 1)[0] for k in shapes if k.endswith(".trellis")}:
+        ti, to, words = shapes[f"{key}.trellis"]
+        in_f, out_f = (dims[d] for d in _SHAPES[key.rsplit(".", 1)[1]])
+        scales = 16 * (shapes[f"{key}.suh"][0] + shapes[f"{key}.svh"][0])
+        real += in_f * out_f
+        bits += words / 16 * in_f * out_f + scales
+        stored += ti * to * 256 * words / 16 + scales
+    return (bits / real, stored / real) if real else (None, None)
 
 
 # ---- the forward ---------------------------------------------------------------------------------
@@ -208,6 +238,7 @@ def compare(teacher: LoadedModel, student: LoadedModel, ids: list[int], context:
     n = kl.numel()
     return KLDResult(teacher=teacher.spec.name, student=student.spec.name, student_model=student.spec.model,
                      student_quantization=student.spec.quantization, method=student.method, bpw=student.bpw,
+                     stored_bpw=student.stored_bpw,
                      tokens=n, windows=len(chunks), context=context, kl_mean=float(kl.mean()),
                      kl_median=float(kl.median()), kl_p99=float(torch.quantile(kl, 0.99)),
                      kl_max=float(kl.max()), top1_agreement=agree / n,

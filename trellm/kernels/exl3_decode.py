@@ -176,8 +176,8 @@ def _reconstruct_kernel(w_ptr, out_ptr, TI, TJ, tj0, n_tiles, stride_o,
     g = tl.arange(0, 8)
     m3 = mask[:, :, None]
     for i in tl.static_range(32):
-        ROW: tl.constexpr = 2 * (i // 8) + (i % 2) + 8 * ((i // 2) % 2)
-        COL8: tl.constexpr = 8 * ((i % 8) // 4)
+        ROW = 2 * (i // 8) + (i % 2) + 8 * ((i // 2) % 2)
+        COL8 = 8 * ((i % 8) // 4)
         v = _decode(i, K, CB, prev, w0, w1, w2, w3, w4, w5, w6, w7)
         rows = tk.to(tl.int64) * 16 + ROW
         cols = tn * 16 + COL8

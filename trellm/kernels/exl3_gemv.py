@@ -102,7 +102,7 @@ def _gemv_kernel(x_ptr, w_ptr, part_ptr, M, TI, TJ, out_p, steps_per_split, stri
         x_row = x_ptr + m[:, None].to(tl.int64) * stride_x + tk[None, :] * 16
         xmask = mmask[:, None] & tmask[None, :]
         for i in tl.static_range(32):
-            ROW: tl.constexpr = 2 * (i // 8) + (i % 2) + 8 * ((i // 2) % 2)
+            ROW = 2 * (i // 8) + (i % 2) + 8 * ((i // 2) % 2)
             v = _decode(i, K, CB, prev, w0, w1, w2, w3, w4, w5, w6, w7).to(tl.float32)
             xi = tl.load(x_row + ROW, mask=xmask, other=0.0)
             prod = xi[:, :, None, None] * v[None, :, :, :]
@@ -166,7 +166,7 @@ def _gemm_kernel(x_ptr, w_ptr, part_ptr, M, TI, TJ, out_p, steps_per_split, stri
         x_row = x_ptr + m[:, None].to(tl.int64) * stride_x + tk[None, :] * 16
         xmask = mmask[:, None] & tmask[None, :]
         for i in tl.static_range(32):
-            ROW: tl.constexpr = 2 * (i // 8) + (i % 2) + 8 * ((i // 2) % 2)
+            ROW = 2 * (i // 8) + (i % 2) + 8 * ((i // 2) % 2)
             v = tl.reshape(_decode(i, K, CB, prev, w0, w1, w2, w3, w4, w5, w6, w7), (TK, TN * 8))
             xi = tl.load(x_row + ROW, mask=xmask, other=0.0)
             if (i % 8) // 4 == 0:

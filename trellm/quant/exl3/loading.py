@@ -33,7 +33,7 @@ def resolve_quantization_config(qc: dict | None, quantization: str, bits: float 
     is_exl3 = (qc or {}).get("quant_method") == "exl3"
     if quantization == "exl3" and not (is_exl3 or dummy):
         raise ValueError("--quantization exl3 needs an EXL3 checkpoint (quantization_config.quant_method "
-                         "'exl3') or a dummy: model; trellm has no EXL3 quantizer")
+                         "'exl3') or a dummy: model; make one with `trellm quantize MODEL --bits B --out DIR`")
     if not dummy and bits is not None:
         raise ValueError("--bits only applies to dummy: models (a checkpoint's bits are its own)")
     if not is_exl3 and quantization != "exl3":

@@ -225,7 +225,8 @@ def quantize_layer(model: LlamaForCausalLM, i: int, calib: Calibration, options:
     groups = {"qkv": layer.self_attn.qkv_proj, "o": layer.self_attn.o_proj,
               "gate_up": layer.mlp.gate_up_proj, "down": layer.mlp.down_proj}
     sums = calib.hessians(groups, lambda: calib.forward(layer))
-    prepared = {name: prepare_hessian(h, count, _seed(options.seed, f"{i}.{name}")) for name, (h, count) in sums.items()}
+    prepared = {name: prepare_hessian(h, count, _seed(options.seed, f"{i}.{name}"))
+                for name, (h, count) in sums.items()}
     items = []
     for key, module, shard, group in _projections(model, i):
         rows = _rows(module, shard)
@@ -291,7 +292,7 @@ def quantize_model(model: str, out_dir: str | Path, options: QuantizeOptions,
     t0 = time.perf_counter()
     out = Path(out_dir)
     ckpt, arch = _open(model)
-    source = ckpt.source
+    source = str(Path(ckpt.source).resolve())  # the manifest must match however the path is spelled
     text = calibration_text(options.calibration)
     work = WorkDir(out)
     resuming = work.open(_manifest(options, source, text))

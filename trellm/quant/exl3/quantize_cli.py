@@ -27,10 +27,13 @@ def add_quantize_parser(sub) -> None:
     q.add_argument("--cost-dtype", default="auto", choices=["auto", "float32", "float16"],
                    help="Viterbi path costs (auto: float16 on CUDA, float32 on the CPU)")
     q.add_argument("--viterbi-memory", type=int, default=None,
-                   help="MiB for one batch of tiles' Viterbi buffers (default: 8192 on CUDA, 256 on the CPU)")
+                   help="MiB for one batch of tiles' Viterbi buffers (default: a tenth of the GPU, at most "
+                        "8192; 256 on the CPU)")
     q.add_argument("--compile", action=argparse.BooleanOptionalAction, default=None,
                    help="fuse each Viterbi step with torch.compile (default: on for CUDA); falls back to "
                         "the eager step if compiling fails")
+    q.add_argument("--threads", type=int, default=None,
+                   help="torch CPU threads (a shared or busy CPU is often fastest with 1)")
     q.add_argument("--quiet", action="store_true", help="no progress bar")
     q.set_defaults(func=run_quantize)
 
@@ -55,8 +58,12 @@ def options_from_args(a: argparse.Namespace):
 def run_quantize(a: argparse.Namespace) -> int:
     from trellm.quant.exl3.quantize import quantize_model
 
+    import torch
+
     if a.wrap_window < 2 or a.scale_samples < 1:
         raise ValueError("--wrap-window must be >= 2 and --scale-samples >= 1")
+    if a.threads is not None:
+        torch.set_num_threads(max(1, a.threads))
     result = quantize_model(a.model, a.out, options_from_args(a))
     summary = {"out": str(result.out_dir), "seconds": result.seconds, "resumed_parts": result.resumed_parts}
     print(json.dumps(summary), file=sys.stdout)

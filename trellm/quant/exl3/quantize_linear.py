@@ -124,7 +124,8 @@ def rotated_hessian(hessian: PreparedHessian, su: torch.Tensor) -> torch.Tensor:
     """The Hessian of the rotated weight: ``W = diag(su) Hb Wq ...``, so an error E in
     Wq costs ``tr(E^T Hb diag(su) H diag(su) Hb E)``. The converter folds only the
     signs of su in; the row scales are folded in too here, which keeps LDLQ's weights
-    right for outlier input channels (and makes the proxy error the output error)."""
+    right for outlier input channels (and makes the proxy error the relative output
+    error under the damped Hessian)."""
     s = su.double()
     return had_l_128(had_r_128(hessian.h * s[:, None] * s[None, :]))
 
@@ -277,14 +278,14 @@ def _sample_tiles(target: torch.Tensor, count: int) -> torch.Tensor:
     return grid[picks.to(target.device)][:, _T_ORDER.to(target.device)]
 
 
-def _search_scales(jobs: list[_Job], coder: TileCoder, samples: int, on_chunk) -> None:
+def _search_scales(jobs: list[_Job], coder: TileCoder, samples: int) -> None:
     """Pick each job's g on the grid around the expected optimum (one Viterbi batch for
     all jobs and candidates), refined by a parabola through the best point's neighbours."""
     center = _scale_center(coder.codebook, coder.bits)
     grid = [center * f for f in SCALE_GRID]
     sampled = [_sample_tiles(j.target, samples) for j in jobs]
     batch = torch.cat([s * g for s in sampled for g in grid])
-    values = coder.decode(coder.encode(batch, on_chunk))
+    values = coder.decode(coder.encode(batch))
     offset = 0
     for job, s in zip(jobs, sampled):
         errors = []
@@ -367,7 +368,8 @@ def quantize_linears(items: list[tuple[LinearToQuantize, PreparedHessian]], opti
     device = items[0][1].su0.device
     coder = TileCoder(options.bits, options.codebook, device, options.viterbi)
     jobs = [_regularize(item, hessian, _key_seed(options.seed, item.key)) for item, hessian in items]
-    _search_scales(jobs, coder, options.scale_samples, on_chunk)
+    # Progress counts the LDLQ tiles only (the scale search's few are not in the total).
+    _search_scales(jobs, coder, options.scale_samples)
     _ldlq(jobs, coder, on_chunk)
     return [_finish(job, options) for job in jobs]
 
@@ -385,7 +387,8 @@ def _finish(job: _Job, options: LinearQuantOptions) -> QuantizedLinear:
         tensors[f"{key}.{options.codebook}"] = torch.tensor(marker - (1 << 32), dtype=torch.int32)
     if job.source.bias is not None:
         out_f = job.source.bias.shape[0]
-        tensors[f"{key}.bias"] = torch.nn.functional.pad(job.source.bias.float(), (0, padded(out_f) - out_f)).half().cpu()
+        bias = torch.nn.functional.pad(job.source.bias.float(), (0, padded(out_f) - out_f))
+        tensors[f"{key}.bias"] = bias.half().cpu()  # stored padded, as the converter does
     return QuantizedLinear(key, tensors, job.scale, _proxy_error(job))
 
 
