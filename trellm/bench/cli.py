@@ -26,6 +26,11 @@ def add_bench_parser(sub) -> None:
                      help="also run transformers on the same weights in this process")
     lat.add_argument("--out", default=None, help="write JSON results here")
     lat.add_argument("--label", default=None, help="name of this trellm configuration in tables and plots")
+    lat.add_argument("--grid-prompt-lens", type=_int_list, default=None,
+                     help="also run a grid: these prompt lengths x --grid-batch-sizes at --gen-len")
+    lat.add_argument("--grid-batch-sizes", type=_int_list, default=[1, 2, 4, 8])
+    lat.add_argument("--png", default=None, help="the grid's plot (default: beside --out)")
+    lat.add_argument("--no-progress", dest="progress", action="store_false", help="no progress bar")
     lat.set_defaults(func=run_latency)
     summ = bsub.add_parser("summarize", help="merge latency JSON files into one markdown table and a PNG")
     summ.add_argument("results", nargs="+")
@@ -42,6 +47,16 @@ def add_bench_parser(sub) -> None:
     from trellm.bench.load import add_load_parser; add_load_parser(bsub)  # noqa: E702
 
 
+def _int_list(text: str) -> list[int]:
+    try:
+        values = [int(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {text!r}") from None
+    if not values or min(values) < 1:
+        raise argparse.ArgumentTypeError(f"expected positive integers, got {text!r}")
+    return values
+
+
 def run_latency(args: argparse.Namespace) -> int:
     import torch
 
@@ -53,7 +68,13 @@ def run_latency(args: argparse.Namespace) -> int:
         torch.set_num_threads(args.threads)
     spec = BenchSpec(args.prompt_len, args.gen_len, args.prefill_len, args.concurrency, args.repeats)
     llm = LLM(args.model, **engine_kwargs(args))
-    rows = [bench_trellm(llm, spec)]
+    rows = [bench_trellm(llm, spec, progress=args.progress)]
+    grid = None
+    if args.grid_prompt_lens:
+        from trellm.bench.latency_grid import grid_table, run_grid
+
+        grid = run_grid(llm, args.grid_prompt_lens, args.grid_batch_sizes, args.gen_len, args.progress)
+        print(grid_table(grid))
     dtype, device = llm.engine.worker.dtype, llm.engine.worker.device
     vocab = llm.engine.vocab_size
     del llm
@@ -68,7 +89,7 @@ def run_latency(args: argparse.Namespace) -> int:
     print(table)
     if args.out:
         result = {
-            "command": "trellm " + " ".join(sys.argv[1:]),
+            "command": "trellm " + " ".join(getattr(args, "argv", sys.argv[1:])),
             "date": time.strftime("%Y-%m-%dT%H:%M:%S"),
             "machine": {"platform": platform.platform(), "processor": platform.processor(),
                         "threads": torch.get_num_threads(), "torch": torch.__version__},
@@ -79,11 +100,26 @@ def run_latency(args: argparse.Namespace) -> int:
             "label": args.label,
             "results": [as_dict(r) for r in rows],
             "transformers_version": peer_version if args.compare_transformers else None,
+            "trellm_version": _version(),
+            "grid": None,
         }
+        if grid is not None:
+            from trellm.bench.latency_grid import as_dicts, plot_grid
+
+            result["grid"] = as_dicts(grid)
+            png = args.png or str(Path(args.out).with_suffix(".png"))
+            plot_grid(grid, f"trellm bench latency: {result['model']}, {args.gen_len} new tokens", png)
+            print(f"wrote {png}")
         Path(args.out).parent.mkdir(parents=True, exist_ok=True)
         Path(args.out).write_text(json.dumps(result, indent=2) + "\n")
         print(f"wrote {args.out}")
     return 0
+
+
+def _version() -> str:
+    import trellm
+
+    return getattr(trellm, "__version__", "unknown")
 
 
 def run_summarize(args: argparse.Namespace) -> int:

@@ -7,6 +7,7 @@ import time
 from dataclasses import asdict, dataclass
 
 import torch
+from tqdm.auto import tqdm
 
 from trellm.entrypoints.llm import LLM
 from trellm.sampling_params import SamplingParams
@@ -59,11 +60,11 @@ def _run_requests(llm: LLM, prompts: list[list[int]], gen_len: int):
     return time.perf_counter() - t0, [first[i] for i in ids], sum(tokens.values())
 
 
-def bench_trellm(llm: LLM, spec: BenchSpec) -> Figures:
+def bench_trellm(llm: LLM, spec: BenchSpec, progress: bool = False) -> Figures:
     vocab = llm.engine.vocab_size
     _run_requests(llm, synthetic_prompts(vocab, 1, 32, seed=99), 8)  # warm-up
     best = None
-    for r in range(spec.repeats):
+    for r in tqdm(range(spec.repeats), desc="latency repeats", unit="repeat", disable=not progress):
         single = synthetic_prompts(vocab, 1, spec.prompt_len, seed=10 + r)
         wall, first, ntok = _run_requests(llm, single, spec.gen_len)
         prefill_wall, _, _ = _run_requests(llm, synthetic_prompts(vocab, 1, spec.prefill_len, seed=20 + r), 1)
