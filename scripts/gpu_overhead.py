@@ -179,7 +179,7 @@ def main() -> None:
         llm = LLM(f"dummy:{path}", dtype="bfloat16" if device == "cuda" else "float32", device=device,
                   max_model_len=4096, kv_cache_memory=(8 << 30) if device == "cuda" else (64 << 20),
                   quantization="none", max_num_seqs=max(batches))
-        gemv = getattr(llm.engine.worker.runner.model, "gemv", None)
+        gemv = getattr(llm.engine.worker.runner.model, "gemv_dispatch", None)
         if gemv is not None:
             print("gemv dispatch (N, K, rows): (cuBLAS us, ours us)", flush=True)
             for key, (cub, ours) in sorted(gemv.timings_us.items()):

@@ -13,7 +13,7 @@ from server_helpers import API_KEY, MODEL_NAME
 
 import trellm
 from trellm.bench.client import MalformedStream, RequestResult, sse_data
-from trellm.bench.serve import redacted_command
+from trellm.bench.report import run_header
 from trellm.bench.serve_metrics import Slo, goodput, level_dict, measure
 from trellm.bench.stats import percentile, summarize
 from trellm.bench.tasks import CATEGORIES, TASKS
@@ -84,7 +84,7 @@ def test_request_metrics_and_goodput():
 
 
 def test_command_line_hides_the_api_key():
-    cmd = redacted_command(["x", "bench", "serve", "--api-key", "s3cret", "--api-key=s3cret", "--model", "m"])
+    cmd = run_header("serve", "m", ["bench", "serve", "--api-key", "s3cret", "--api-key=s3cret", "--model", "m"])["command"]
     assert "s3cret" not in cmd and cmd.startswith("trellm bench serve") and "--model m" in cmd
 
 

@@ -3,9 +3,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import platform
-import sys
-import time
 from pathlib import Path
 
 
@@ -88,19 +85,18 @@ def run_latency(args: argparse.Namespace) -> int:
     table = figures_table(rows)
     print(table)
     if args.out:
+        from trellm.bench.report import machine_info, run_header, write_json
+
+        model = args.model or "embedded default (SmolLM2-135M-Instruct, Q4_1 GGUF)"
         result = {
-            "command": "trellm " + " ".join(getattr(args, "argv", sys.argv[1:])),
-            "date": time.strftime("%Y-%m-%dT%H:%M:%S"),
-            "machine": {"platform": platform.platform(), "processor": platform.processor(),
-                        "threads": torch.get_num_threads(), "torch": torch.__version__},
-            "model": args.model or "embedded default (SmolLM2-135M-Instruct, Q4_1 GGUF)",
+            **run_header("latency", model, getattr(args, "argv", None)),
+            "machine": {**machine_info(), "threads": torch.get_num_threads(), "torch": torch.__version__},
             "quantization": args.quantization,
             "dtype": str(dtype).removeprefix("torch."), "device": str(device),
             "spec": spec.__dict__,
             "label": args.label,
             "results": [as_dict(r) for r in rows],
             "transformers_version": peer_version if args.compare_transformers else None,
-            "trellm_version": _version(),
             "grid": None,
         }
         if grid is not None:
@@ -110,16 +106,9 @@ def run_latency(args: argparse.Namespace) -> int:
             png = args.png or str(Path(args.out).with_suffix(".png"))
             plot_grid(grid, f"trellm bench latency: {result['model']}, {args.gen_len} new tokens", png)
             print(f"wrote {png}")
-        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.out).write_text(json.dumps(result, indent=2) + "\n")
+        write_json(args.out, result)
         print(f"wrote {args.out}")
     return 0
-
-
-def _version() -> str:
-    import trellm
-
-    return getattr(trellm, "__version__", "unknown")
 
 
 def run_summarize(args: argparse.Namespace) -> int:

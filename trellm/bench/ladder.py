@@ -437,7 +437,7 @@ def run_ladder_command(args: argparse.Namespace) -> int:
         result = asyncio.run(run_ladder_on(target, spec, args.max_context, args.request_timeout,
                                            args.api_key or (envs.api_key() if args.base_url else None)))
     model = args.model or ("embedded default (SmolLM2-135M-Instruct, Q4_1 GGUF)" if not args.base_url else "")
-    result = {**run_header("ladder", model or result["served_model"]), **result}
+    result = {**run_header("ladder", model or result["served_model"], getattr(args, "argv", None)), **result}
     print(ladder_markdown(result))
     png = args.png or (str(Path(args.out).with_suffix(".png")) if args.out else None)
     if png:

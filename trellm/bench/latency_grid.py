@@ -84,19 +84,18 @@ def plot_grid(cells: list[GridCell], title: str, path: str | Path) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
+    from trellm.bench.serve_plots import log2_count_axis
+
     fig, axes = plt.subplots(1, 3, figsize=(13, 4))
     panels = (("decode tok/s per stream", "decode_tok_s_per_stream"),
               ("aggregate decode tok/s", "aggregate_decode_tok_s"), ("TTFT ms (mean)", "ttft_ms_mean"))
+    batches = sorted({c.batch for c in cells})
     for ax, (name, key) in zip(axes, panels):
         for p in sorted({c.prompt_len for c in cells}):
             row = sorted((c for c in cells if c.prompt_len == p), key=lambda c: c.batch)
             ax.plot([c.batch for c in row], [getattr(c, key) for c in row], "o-", label=f"{p}-token prompts")
-            ax.set_xticks([c.batch for c in row], [str(c.batch) for c in row])
-        ax.set_xscale("log", base=2)
-        ax.set_xlabel("batch size (concurrent requests)")
         ax.set_title(name, fontsize=10)
-        ax.set_ylim(bottom=0)
-        ax.legend(fontsize=8)
+        log2_count_axis(ax, batches, "batch size (concurrent requests)")
     fig.suptitle(title, fontsize=11)
     fig.tight_layout()
     fig.savefig(path, dpi=110)

@@ -348,7 +348,7 @@ def run_load_command(args: argparse.Namespace) -> int:
     spec = LoadSpec(args.model, args.workers, args.repeats, engine_kw)
     result = run_load(spec)
     model = args.model or "embedded default (SmolLM2-135M-Instruct, Q4_1 GGUF)"
-    result = {**run_header("load", model), **result}
+    result = {**run_header("load", model, getattr(args, "argv", None)), **result}
     print(load_markdown(result))
     png = args.png or (str(Path(args.out).with_suffix(".png")) if args.out else None)
     if png:

@@ -1,5 +1,5 @@
 """What every bench result file carries besides its figures, and the writers for
-JSON and markdown, shared by ``bench ladder`` and ``bench load``."""
+JSON and markdown, shared by the benches."""
 from __future__ import annotations
 
 import json

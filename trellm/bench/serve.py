@@ -14,10 +14,7 @@ import argparse
 import asyncio
 import json
 import logging
-import os
-import platform
 import random
-import shlex
 import sys
 import time
 from dataclasses import dataclass
@@ -25,6 +22,7 @@ from pathlib import Path
 from typing import Sequence
 
 from trellm.bench.client import RequestResult, RequestSpec, ServerUnreachable, StreamingClient
+from trellm.bench.report import run_header, write_json
 from trellm.bench.serve_metrics import Slo, category_dict, level_dict, sweep_table, tasks_table
 from trellm.bench.tasks import CATEGORIES, TASKS, task_words
 
@@ -135,11 +133,10 @@ def run_bench_serve(args: argparse.Namespace) -> int:
     except ServerUnreachable as e:
         print(f"trellm: error: {e}", file=sys.stderr)
         return 1
-    report = {"command": redacted_command(sys.argv), **report}
+    report = {**run_header("serve", report["model"], getattr(args, "argv", None)), **report}
     print(markdown_report(report))
     if args.out:
-        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.out).write_text(json.dumps(report, indent=2) + "\n")
+        write_json(args.out, report)
         print(f"wrote {args.out}")
     plot = args.plot or (str(Path(args.out).with_suffix(".png")) if args.out else None)
     if plot and report["levels"]:
@@ -152,19 +149,6 @@ def run_bench_serve(args: argparse.Namespace) -> int:
         print("trellm: error: every request failed (see the errors in the results)", file=sys.stderr)
         return 1
     return 0
-
-
-def redacted_command(argv: Sequence[str]) -> str:
-    """The command line with the API key's value hidden."""
-    out, hide = ["trellm", *argv[1:]], False
-    for i, a in enumerate(out):
-        if hide:
-            out[i], hide = "***", False
-        elif a == "--api-key":
-            hide = True
-        elif a.startswith("--api-key="):
-            out[i] = "--api-key=***"
-    return shlex.join(out)
 
 
 class TokenCounter:
@@ -315,10 +299,6 @@ async def bench(cfg: ServeBenchConfig) -> dict:
         levels, rejected = await sweep(client, cfg, model, prompts, counter) if cfg.sweep else ([], None)
         tasks = await run_tasks(client, cfg, model, counter) if cfg.tasks else None
     return {
-        "date": time.strftime("%Y-%m-%dT%H:%M:%S"),
-        "machine": {"platform": platform.platform(), "processor": platform.processor(),
-                    "cpu_count": os.cpu_count(), "python": platform.python_version()},
-        "trellm_version": _trellm_version(),
         "server": {"base_url": client.root, "models": models},
         "model": model,
         "config": {"concurrency": list(cfg.concurrency), "num_prompts": cfg.num_prompts,
@@ -330,12 +310,6 @@ async def bench(cfg: ServeBenchConfig) -> dict:
         "levels": levels,
         "tasks": tasks,
     }
-
-
-def _trellm_version() -> str | None:
-    import trellm
-
-    return getattr(trellm, "__version__", None)
 
 
 def markdown_report(report: dict) -> str:

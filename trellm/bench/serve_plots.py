@@ -10,6 +10,15 @@ def _value(summary: dict | None, key: str) -> float:
     return float("nan") if summary is None else summary[key]
 
 
+def log2_count_axis(ax, counts: Sequence[int], xlabel: str = "concurrent requests") -> None:
+    """A log2 x axis ticked at the counts swept, y from 0, and the legend."""
+    ax.set_xscale("log", base=2)
+    ax.set_xticks(counts, [str(c) for c in counts])
+    ax.set_xlabel(xlabel)
+    ax.set_ylim(bottom=0)
+    ax.legend(fontsize=8)
+
+
 def plot_serve_sweep(levels: Sequence[dict], title: str, path: str | Path) -> None:
     """Two panels against concurrency (log2 x): per-stream and aggregate output tok/s;
     TTFT p50 and p99. ``levels``: the "levels" list of the JSON results."""
@@ -33,11 +42,7 @@ def plot_serve_sweep(levels: Sequence[dict], title: str, path: str | Path) -> No
     ttft_ax.set_ylabel("ms")
     ttft_ax.set_title("time to first token", fontsize=10)
     for ax in (tok_ax, ttft_ax):
-        ax.set_xscale("log", base=2)
-        ax.set_xticks(conc, [str(c) for c in conc])
-        ax.set_xlabel("concurrent requests")
-        ax.set_ylim(bottom=0)
-        ax.legend(fontsize=8)
+        log2_count_axis(ax, conc)
     fig.suptitle(title, fontsize=11)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
@@ -56,16 +61,12 @@ def plot_serve_compare(runs: dict[str, Sequence[dict]], title: str, path: str | 
     panels = (("aggregate output tok/s", lambda lv: lv["aggregate_output_tok_s"]),
               ("tok/s per stream (mean, first token excluded)", lambda lv: _value(lv["stream_decode_tok_s"], "mean")),
               ("TTFT p50 (ms)", lambda lv: _value(lv["ttft_ms"], "p50")))
+    conc = sorted({lv["concurrency"] for levels in runs.values() for lv in levels})
     for ax, (name, get) in zip(axes, panels):
         for label, levels in runs.items():
-            conc = [lv["concurrency"] for lv in levels]
-            ax.plot(conc, [get(lv) for lv in levels], "o-", label=label)
-            ax.set_xscale("log", base=2)
-            ax.set_xticks(conc, [str(c) for c in conc])
+            ax.plot([lv["concurrency"] for lv in levels], [get(lv) for lv in levels], "o-", label=label)
         ax.set_title(name, fontsize=10)
-        ax.set_xlabel("concurrent requests")
-        ax.set_ylim(bottom=0)
-        ax.legend(fontsize=8)
+        log2_count_axis(ax, conc)
     fig.suptitle(title, fontsize=11)
     fig.tight_layout()
     fig.savefig(path, dpi=110)

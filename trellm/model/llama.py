@@ -11,6 +11,7 @@ from typing import Iterable, Iterator
 import torch
 import torch.nn.functional as F
 
+from trellm.kernels.gemv import gemv
 from trellm.layers.linear import Linear, MergedLinear
 from trellm.layers.norm_rope import RMSNorm, RotaryEmbedding
 from trellm.model.config import ArchConfig
@@ -104,7 +105,7 @@ class LlamaForCausalLM(torch.nn.Module):
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
         self.lm_head = None
         self.lm_head_int8: tuple[torch.Tensor, torch.Tensor] | None = None
-        self.gemv = None
+        self.gemv_dispatch = None
         """trellm.kernels.gemv.GemvDispatch (CUDA): the LM head's skinny GEMM choice."""
         head_method = get_lm_head_method(cfg.quantization_config)
         if head_method is not None:
@@ -144,9 +145,7 @@ class LlamaForCausalLM(torch.nn.Module):
         if isinstance(self.lm_head, Linear):
             return self.lm_head(hidden).float()
         weight = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
-        if self.gemv is not None and self.gemv.wants(hidden, weight):
-            from trellm.kernels.gemv import gemv
-
+        if self.gemv_dispatch is not None and self.gemv_dispatch.wants(hidden, weight):
             return gemv(hidden, weight).float()
         return F.linear(hidden, weight).float()
 

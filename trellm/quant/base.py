@@ -10,6 +10,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from trellm.kernels.gemv import gemv
+
 
 class LinearMethod:
     """Strategy interface for a linear layer's weights and matmul."""
@@ -51,19 +53,17 @@ class LinearMethod:
 class UnquantizedLinearMethod(LinearMethod):
     """Dense weights in the model dtype; ``F.linear`` (cuBLAS / oneDNN) does the work."""
 
+    gemv_dispatch = None
+    """trellm.kernels.gemv.GemvDispatch on CUDA: our skinny GEMM where it timed faster."""
+
     def create_weights(self, layer, in_features, out_features, bias, dtype):
         layer.weight = torch.nn.Parameter(
             torch.empty(out_features, in_features, dtype=dtype), requires_grad=False)
         layer.bias = (torch.nn.Parameter(torch.empty(out_features, dtype=dtype), requires_grad=False)
                       if bias else None)
 
-    gemv = None
-    """trellm.kernels.gemv.GemvDispatch on CUDA: our skinny GEMM where it timed faster."""
-
     def apply(self, layer, x):
-        if self.gemv is not None and self.gemv.wants(x, layer.weight):
-            from trellm.kernels.gemv import gemv
-
+        if self.gemv_dispatch is not None and self.gemv_dispatch.wants(x, layer.weight):
             return gemv(x, layer.weight, layer.bias)
         return F.linear(x, layer.weight, layer.bias)
 

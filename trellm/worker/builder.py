@@ -140,8 +140,8 @@ def _calibrate_gemv(model: torch.nn.Module) -> None:
         log.warning("skinny-GEMM kernel unavailable (%s); using cuBLAS", str(e).splitlines()[0])
         return
     for m in linears:
-        m.method.gemv = dispatch
-    model.gemv = dispatch
+        m.method.gemv_dispatch = dispatch
+    model.gemv_dispatch = dispatch
 
 
 def _quant_note(arch: ArchConfig) -> str:

@@ -83,10 +83,7 @@ class ModelRunner:
         batch, logits = self._forward(plan)
         if not batch.samplers:
             return LaunchedStep(None, None, [], None)
-        for st, _ in batch.samplers:
-            self._reseed(st)
-        rows = [SamplingRow(st.params, st.prompt_token_ids, st.output_token_ids,
-                            self.eos_token_ids, st.generator) for st, _ in batch.samplers]
+        rows = self._sampling_rows(batch)
         picked = [r for _, r in batch.samplers]
         if picked != list(range(logits.shape[0])):  # all rows sample in a decode step: no gather
             logits = logits[device_tensor(picked, logits.device)]
@@ -147,6 +144,12 @@ class ModelRunner:
             st.block_ids.extend(cached.new_block_ids)
             st.num_computed_tokens = cached.num_computed_tokens
 
+    def _sampling_rows(self, batch: BatchInputs) -> list[SamplingRow]:
+        for st, _ in batch.samplers:
+            self._reseed(st)
+        return [SamplingRow(st.params, st.prompt_token_ids, st.output_token_ids,
+                            self.eos_token_ids, st.generator) for st, _ in batch.samplers]
+
     @staticmethod
     def _reseed(st: CachedRequestState) -> None:
         # Seed each draw from (seed, output position): a seeded request then gives
@@ -159,10 +162,7 @@ class ModelRunner:
         logprobs: dict[str, tuple[TokenLogprobs, ...]] = {}
         prompt_lps: dict[str, tuple[TokenLogprobs | None, ...]] = {}
         if batch.samplers:
-            for st, _ in batch.samplers:
-                self._reseed(st)
-            rows = [SamplingRow(st.params, st.prompt_token_ids, st.output_token_ids,
-                                self.eos_token_ids, st.generator) for st, _ in batch.samplers]
+            rows = self._sampling_rows(batch)
             idx = device_tensor([r for _, r in batch.samplers], logits.device)
             tokens, lps = self.sampler(logits[idx], rows)
             for (st, _), tok, lp in zip(batch.samplers, tokens, lps):
