@@ -23,14 +23,13 @@ import socket
 import threading
 import time
 from dataclasses import asdict, dataclass
-from pathlib import Path
 from typing import Any, Iterator
 
 import httpx
 
 from trellm.bench.client import api_root, error_message, sse_data
 from trellm.bench.needle import Needle, TextTokenizer, filler, make_needle, nonce, plant, user_message
-from trellm.bench.report import fmt, markdown_table, run_header, write_json
+from trellm.bench.report import emit, fmt, markdown_table, run_header
 from trellm.bench.stats import summarize
 from trellm.loader.errors import first_line
 
@@ -438,12 +437,5 @@ def run_ladder_command(args: argparse.Namespace) -> int:
                                            args.api_key or (envs.api_key() if args.base_url else None)))
     model = args.model or ("embedded default (SmolLM2-135M-Instruct, Q4_1 GGUF)" if not args.base_url else "")
     result = {**run_header("ladder", model or result["served_model"], getattr(args, "argv", None)), **result}
-    print(ladder_markdown(result))
-    png = args.png or (str(Path(args.out).with_suffix(".png")) if args.out else None)
-    if png:
-        plot_ladder(result, png)
-        print(f"wrote {png}")
-    if args.out:
-        write_json(args.out, result)
-        print(f"wrote {args.out}")
+    emit(result, ladder_markdown(result), args.out, args.png, plot_ladder)
     return 0

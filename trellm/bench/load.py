@@ -24,7 +24,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Callable
 
-from trellm.bench.report import fmt, markdown_table, run_header, write_json
+from trellm.bench.report import emit, fmt, markdown_table, run_header
 
 READ_BUFFER = 16 << 20
 CACHE_DROP_NOTE = ("cold = posix_fadvise(POSIX_FADV_DONTNEED) on each file before the run: best effort, "
@@ -349,12 +349,5 @@ def run_load_command(args: argparse.Namespace) -> int:
     result = run_load(spec)
     model = args.model or "embedded default (SmolLM2-135M-Instruct, Q4_1 GGUF)"
     result = {**run_header("load", model, getattr(args, "argv", None)), **result}
-    print(load_markdown(result))
-    png = args.png or (str(Path(args.out).with_suffix(".png")) if args.out else None)
-    if png:
-        plot_load(result, png)
-        print(f"wrote {png}")
-    if args.out:
-        write_json(args.out, result)
-        print(f"wrote {args.out}")
+    emit(result, load_markdown(result), args.out, args.png, plot_load)
     return 0

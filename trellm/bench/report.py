@@ -44,6 +44,19 @@ def write_json(path: str | Path, data: dict) -> None:
     p.write_text(json.dumps(data, indent=2) + "\n")
 
 
+def emit(result: dict, markdown: str, out: str | None, png: str | None, plot) -> None:
+    """Print the table, draw ``plot(result, png)`` (beside ``out`` unless ``png`` is given)
+    and write the JSON to ``out``; either file is skipped when it has no path."""
+    print(markdown)
+    png = png or (str(Path(out).with_suffix(".png")) if out else None)
+    if png:
+        plot(result, png)
+        print(f"wrote {png}")
+    if out:
+        write_json(out, result)
+        print(f"wrote {out}")
+
+
 def markdown_table(header: Sequence[str], rows: Sequence[Sequence[Any]]) -> str:
     lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
     lines += ["| " + " | ".join(str(c) for c in row) + " |" for row in rows]
