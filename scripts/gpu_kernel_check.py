@@ -3,6 +3,16 @@
 reference on fresh random inputs (the comparisons of tests/kernels/, plus large and
 32k+-context shapes), with timings. Prints a table, writes JSON.
 
+Two variants that remove a launch per layer have their own rows, timed inside CUDA
+graphs as the decode step runs them (kernel_us: the fused variant, reference_us: the
+launches it replaces):
+- ``paged_decode_fused``: decode combining its splits in the split kernel (counters),
+  against the float32 oracle; ``.repeat`` runs it again on the same counters after the
+  timed graph replays (bit-equal, counters back at 0); reference_us = split + reduce.
+- ``gemv_glu``: SiLU-and-mul fused into the skinny GEMV, against the references
+  (reference_us = silu_and_mul + cuBLAS) and ``.vs_unfused`` bit for bit against
+  silu_and_mul + our GEMV (reference_us = that pair).
+
     python scripts/gpu_kernel_check.py --out kernels.json [--quick] [--dtypes bfloat16,float16,float32]
 
 A case that raises (a compile error, say) is recorded as failed with its error and
@@ -25,6 +35,79 @@ from trellm import envs
 from trellm.kernels import kernel_supported, testing as kt
 
 DT = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
+
+
+def _graph_us(fn: Callable[[], object]) -> float:
+    """Per-call time inside a CUDA graph (as in the decode graphs); eager off CUDA."""
+    if DEV.type != "cuda":
+        return kt.time_us(fn, DEV, iters=2, warmup=1)
+    from trellm.kernels.gemv import _time_us
+
+    return _time_us(fn)
+
+
+def check_paged_decode_fused(seq_lens: list[int], hq: int, hk: int, d: int, dtype: torch.dtype,
+                             num_splits: int | None = None, graph_max_len: int | None = None,
+                             timing: bool = False, seed: int = 0) -> list[kt.CheckResult]:
+    """``graph_max_len``: fix the split count as a decode graph does (from the context
+    limit, not the real lengths), which leaves trailing splits empty."""
+    from trellm.kernels import paged_attention as pa
+
+    gen = torch.Generator().manual_seed(seed)
+    kv, table = kt.paged_cache(seq_lens, 16, hk, d, dtype, DEV, gen)
+    bsz = len(seq_lens)
+    q = torch.randn(bsz, hq, d, generator=gen).to(dtype).to(DEV)
+    lens = torch.tensor(seq_lens, dtype=torch.int32, device=DEV)
+    if num_splits is None:
+        num_splits = pa.decode_num_splits(bsz, hk, graph_max_len or max(seq_lens), DEV)
+    counters = torch.zeros(bsz * hk, dtype=torch.int32, device=DEV)
+    out = torch.zeros_like(q)
+    rows = torch.arange(bsz, dtype=torch.int32, device=DEV)  # given, so no arange launch is timed
+    kw = dict(token_index=rows, out=out, num_splits=num_splits)
+
+    def fused():
+        return pa.paged_decode(q, kv, table, lens, d ** -0.5, fused_reduce=True, counters=counters, **kw)
+
+    def two_kernels():
+        return pa.paged_decode(q, kv, table, lens, d ** -0.5, **kw)
+
+    times = (_graph_us(fused), _graph_us(two_kernels)) if timing else (None, None)
+    # Checked after the timed replays: counters they left non-zero would break these runs.
+    out.zero_()
+    first = fused().clone()
+    again = fused().clone()
+    want = pa.paged_decode_ref(q, kv, table, lens, d ** -0.5, out=torch.zeros(q.shape, device=DEV))
+    shape = (f"B={bsz} lens={kt._short(seq_lens)} hq={hq} hk={hk} d={d} splits={num_splits}"
+             f"{' (graph bound ' + str(graph_max_len) + ')' if graph_max_len else ''}")
+    res = kt.compare("paged_decode_fused", shape, first, want, kt.TOLERANCES[dtype], dtype)
+    res.kernel_us, res.ref_us = times
+    rep = kt.compare("paged_decode_fused.repeat", shape, again, first, kt.EXACT, dtype)
+    left = int(counters.count_nonzero())
+    rep.passed = rep.passed and left == 0
+    rep.shape += f" counters_left={left}"
+    return [res, rep]
+
+
+def check_gemv_glu(rows: int, n: int, k: int, dtype: torch.dtype, timing: bool = False,
+                   seed: int = 0) -> list[kt.CheckResult]:
+    import torch.nn.functional as F
+
+    from trellm.kernels.activation import silu_and_mul, silu_and_mul_ref
+    from trellm.kernels.gemv import gemv, gemv_ref
+
+    gen = torch.Generator().manual_seed(seed)
+    x = (2 * torch.randn(rows, 2 * k, generator=gen)).to(dtype).to(DEV)
+    w = (torch.randn(n, k, generator=gen) / k ** 0.5).to(dtype).to(DEV)
+    got = gemv(x, w, glu=True)
+    shape = f"M={rows} N={n} K={k} (x [M, 2K])"
+    res = kt.compare("gemv_glu", shape, got, gemv_ref(silu_and_mul_ref(x.float()).to(dtype), w),
+                     kt.TOLERANCES[dtype], dtype)
+    exact = kt.compare("gemv_glu.vs_unfused", shape, got, gemv(silu_and_mul(x), w), kt.EXACT, dtype)
+    if timing:
+        res.kernel_us = exact.kernel_us = _graph_us(lambda: gemv(x, w, glu=True))
+        res.ref_us = _graph_us(lambda: F.linear(silu_and_mul(x), w))
+        exact.ref_us = _graph_us(lambda: gemv(silu_and_mul(x), w))
+    return [res, exact]
 
 
 def cases(dtypes: list[torch.dtype], quick: bool) -> list[tuple[str, Callable[[], list[kt.CheckResult]]]]:
@@ -64,6 +147,17 @@ def cases(dtypes: list[torch.dtype], quick: bool) -> list[tuple[str, Callable[[]
             add("gemv", kt.check_gemv, rows, n, k, dt, DEV, bias=n % 2 == 1, timing=True)
         for t, hk, d, page in [(1, 1, 64, 16), (37, 2, 128, 16), (10, 4, 64, 8), (4096, 8, 128, 16)]:
             add("write_kv", kt.check_write_kv, t, hk, d, dt, DEV, page=page)
+        # (seq_lens, hq, hk, d, num_splits, graph context bound); the last two: the
+        # Qwen3-0.6B and Llama-3.1-8B decode graphs (buckets 1 and 4) at short contexts.
+        for lens, hq, hk, d, splits, bound in [
+                ([37], 8, 2, 64, 3, None), ([200], 8, 2, 64, 3, None), ([1, 17, 50, 300], 8, 2, 128, 7, None),
+                ([77, 190], 4, 4, 64, 16, None), ([23, 400], 16, 2, 128, 4, None), ([500] * 8, 32, 8, 128, None, None),
+                ([700], 16, 8, 128, None, 40960), ([700, 5, 2000, 64], 32, 8, 128, None, 131072)]:
+            add("paged_decode_fused", check_paged_decode_fused, lens, hq, hk, d, dt, splits, bound, timing=True)
+        # Down projections: small odd shapes, Qwen3-0.6B (1024 x 3072), Llama-3.1-8B (4096 x 14336).
+        for rows, n, k in [(1, 37, 300), (3, 130, 96), (1, 1024, 3072), (4, 1024, 3072), (8, 1024, 3072),
+                           (1, 4096, 14336), (8, 4096, 14336)]:
+            add("gemv_glu", check_gemv_glu, rows, n, k, dt, timing=True)
     for dt in [d for d in dtypes if d != torch.float16]:
         for b, v in [(1, 100), (6, 3000), (4, 5003), (1, 128256), (64, 151936)]:
             for topk_path in (True, False):
@@ -74,6 +168,9 @@ def cases(dtypes: list[torch.dtype], quick: bool) -> list[tuple[str, Callable[[]
             add("paged_decode", kt.check_paged_decode, lens, 32, 8, 128, main, DEV, timing=True)
         add("paged_decode", kt.check_paged_decode, [65536], 64, 8, 128, main, DEV, timing=True)
         add("paged_decode", kt.check_paged_decode, [40000] * 4, 32, 8, 128, main, DEV, num_splits=1, timing=True)
+        for lens in ([33000], [32768, 40001, 5], [32768] * 16, [131072]):
+            add("paged_decode_fused", check_paged_decode_fused, lens, 32, 8, 128, main, timing=True)
+        add("paged_decode_fused", check_paged_decode_fused, [65536], 64, 8, 128, main, timing=True)
         for chunks in ([(512, 33000)], [(2048, 2048), (300, 40000)], [(8192, 8192)], [(1024, 65536)]):
             add("paged_prefill", kt.check_paged_prefill, chunks, 32, 8, 128, main, DEV, timing=True)
     return out

@@ -1,11 +1,16 @@
-"""The skinny-GEMM kernel against float32 math, and its dispatch rule."""
+"""The skinny-GEMM kernel against float32 math, its GLU (SiLU-and-mul fused) mode,
+and the dispatch rules."""
 from __future__ import annotations
+
+from types import SimpleNamespace
 
 import pytest
 import torch
+import torch.nn.functional as F
 
 from trellm.kernels import testing as kt
-from trellm.kernels.gemv import MAX_ROWS, GemvDispatch, gemv
+from trellm.kernels.activation import silu_and_mul, silu_and_mul_ref
+from trellm.kernels.gemv import MAX_ROWS, GemvDispatch, gemv, gemv_ref
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32], ids=str)
@@ -21,6 +26,37 @@ def test_gemv_rejects_wide_batches(device):
         gemv(x, torch.zeros(4, 16, device=device))
 
 
+def _gate_up(rows: int, n: int, k: int, dtype: torch.dtype, device, seed: int = 0):
+    gen = torch.Generator().manual_seed(seed)
+    x = (2 * torch.randn(rows, 2 * k, generator=gen)).to(dtype).to(device)
+    w = (torch.randn(n, k, generator=gen) / k ** 0.5).to(dtype).to(device)
+    return x, w
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=str)
+@pytest.mark.parametrize("rows", range(1, MAX_ROWS + 1))
+def test_gemv_glu_matches_silu_and_mul_then_gemv(rows, dtype, device):
+    """Against the references (silu_and_mul_ref, then gemv_ref) within the dtype's
+    tolerance, and bit for bit against the unfused kernels (silu_and_mul, then gemv):
+    same activation rounding, same summation order."""
+    n, k = (37, 300) if rows % 2 else (130, 96)
+    x, w = _gate_up(rows, n, k, dtype, device, seed=rows)
+    got = gemv(x, w, glu=True)
+    want = gemv_ref(silu_and_mul_ref(x.float()).to(dtype), w)
+    res = kt.compare("gemv.glu", f"M={rows} N={n} K={k}", got, want, kt.TOLERANCES[dtype], dtype)
+    assert res.passed, str(res)
+    assert torch.equal(got, gemv(silu_and_mul(x), w))
+    torch.testing.assert_close(gemv_ref(x, w, glu=True).float(), want.float(), atol=1e-2, rtol=1e-2)
+
+
+def test_gemv_glu_with_bias_and_shape_check(device):
+    x, w = _gate_up(2, 9, 64, torch.float32, device)
+    b = torch.randn(9).to(device)
+    torch.testing.assert_close(gemv(x, w, b, glu=True), gemv(silu_and_mul(x), w, b), atol=0, rtol=0)
+    with pytest.raises(ValueError, match="gemv takes"):
+        gemv(x[:, :64], w, glu=True)  # [M, K] is not a gate_up [M, 2K]
+
+
 def test_dispatch_uses_the_kernel_only_where_it_won():
     d = GemvDispatch(use_kernel={(64, 32, 1): True, (64, 32, 2): False})
     w = torch.zeros(64, 32)
@@ -28,3 +64,54 @@ def test_dispatch_uses_the_kernel_only_where_it_won():
     assert not d.wants(torch.zeros(2, 32), w)  # timed slower
     assert not d.wants(torch.zeros(4, 32), w)  # never timed
     assert not d.wants(torch.zeros(1, 32), torch.zeros(32, 32))
+
+
+def test_dispatch_glu_only_where_calibration_picked_it():
+    d = GemvDispatch(use_kernel={(64, 32, 1): True}, use_glu={(64, 32, 2): True, (64, 32, 4): False})
+    w = torch.zeros(64, 32)
+    assert not d.wants_glu(torch.zeros(1, 64), w)  # the plain GEMV won, the fused was never timed
+    assert d.wants_glu(torch.zeros(2, 64), w)
+    assert not d.wants_glu(torch.zeros(4, 64), w)  # timed slower
+    assert not d.wants_glu(torch.zeros(2, 32), w)  # not a [M, 2K] gate_up
+    assert not GemvDispatch().wants_glu(torch.zeros(1, 64), w)
+
+
+class _RecordingOps:
+    """FusedOps stand-in: the MLP's fused branch only calls silu_and_mul."""
+
+    def __init__(self):
+        self.calls = 0
+
+    def silu_and_mul(self, x):
+        self.calls += 1
+        return silu_and_mul_ref(x)
+
+
+def _mlp(hidden: int = 32, inter: int = 48):
+    from trellm.model.llama import MLP
+
+    torch.manual_seed(0)
+    mlp = MLP(SimpleNamespace(hidden_size=hidden, intermediate_size=inter, quantization_config=None), torch.float32)
+    for p in mlp.parameters():
+        p.data.copy_(torch.randn_like(p) / p.shape[-1] ** 0.5)
+    return mlp
+
+
+def test_mlp_falls_back_to_silu_and_mul_without_a_glu_choice():
+    """CPU: with no dispatch, or one whose calibration did not pick the fused GEMV for
+    this (shape, rows), the MLP's fused-ops branch runs ops.silu_and_mul + down_proj."""
+    mlp, ops, x = _mlp(), _RecordingOps(), torch.randn(2, 32)
+    gate, up = mlp.gate_up_proj.split(mlp.gate_up_proj(x))
+    want = mlp.down_proj(F.silu(gate) * up)
+    torch.testing.assert_close(mlp(x, ops), want)
+    mlp.down_proj.method.gemv_dispatch = GemvDispatch(use_glu={(32, 48, 1): True})  # other rows only
+    torch.testing.assert_close(mlp(x, ops), want)
+    assert ops.calls == 2
+
+
+def test_mlp_takes_the_fused_gemv_where_picked(device):
+    mlp, ops, x = _mlp().to(device), _RecordingOps(), torch.randn(2, 32).to(device)
+    want = mlp(x, ops)
+    mlp.down_proj.method.gemv_dispatch = GemvDispatch(use_glu={(32, 48, 2): True})
+    torch.testing.assert_close(mlp(x, ops), want, atol=1e-5, rtol=1e-5)
+    assert ops.calls == 1  # only the unfused call above

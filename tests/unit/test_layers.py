@@ -20,6 +20,22 @@ def test_rope_roll_equals_rotate_half(scaling):
     assert torch.equal(rk, rope_reference(k, pos, rope.inv_freq))
 
 
+@pytest.mark.parametrize("scaling", [None, {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
+                                            "high_freq_factor": 4.0, "original_max_position_embeddings": 64}])
+def test_rope_rotation_matrices_equal_tables(scaling):
+    """The decode path's batched matmul: two non-zero products per output, so it equals
+    the reference up to one rounding of their sum (FMA or not)."""
+    torch.manual_seed(0)
+    rope = RotaryEmbedding(64, 10000.0, scaling, max_positions=512)
+    pos = torch.tensor([0, 1, 7, 200, 511])
+    q, k = torch.randn(5, 9, 64), torch.randn(5, 3, 64)
+    rq, rk = rope(q, k, rope.cos_sin(pos, torch.float32), rope.rotation(pos))
+    torch.testing.assert_close(rq, rope_reference(q, pos, rope.inv_freq), rtol=0, atol=1e-6)
+    torch.testing.assert_close(rk, rope_reference(k, pos, rope.inv_freq), rtol=0, atol=1e-6)
+    # Exactly two non-zeros per column: nothing else leaks into a rotated value.
+    assert int((rope.rotation(pos)[1:] != 0).sum(dim=1).max()) == 2
+
+
 def _pool(num_blocks=12, bs=4, hk=2, d=8):
     torch.manual_seed(1)
     return torch.randn(2, num_blocks, bs, hk, d)

@@ -90,8 +90,10 @@ def _attend(q: torch.Tensor, k: torch.Tensor | None, v: torch.Tensor | None, kv_
 
 def write_kv(kv_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slots: torch.Tensor) -> None:
     _, nb, bs, hk, d = kv_cache.shape
-    kv_cache[0].view(nb * bs, hk, d).index_copy_(0, slots, k.to(kv_cache.dtype))
-    kv_cache[1].view(nb * bs, hk, d).index_copy_(0, slots, v.to(kv_cache.dtype))
+    # K and V in one index_copy_ (the pool's K and V halves are one tensor): half the
+    # dispatches of two copies, which is what a decode step's write costs on the CPU.
+    kv = torch.stack((k.to(kv_cache.dtype), v.to(kv_cache.dtype)))
+    kv_cache.view(2, nb * bs, hk, d).index_copy_(1, slots, kv)
 
 
 def _decode(q: torch.Tensor, kv_cache: torch.Tensor, d: DecodeGroup, scale: float) -> torch.Tensor:

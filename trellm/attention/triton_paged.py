@@ -12,6 +12,12 @@ Both kernels read every key and value from the cache (the chunk's own included),
 so the write must precede them; decode rows and prefill chunks share one output
 tensor and each kernel writes only its rows.
 
+Decode combines its splits inside the split kernel (``fused_decode_reduce``, the
+default): it needs one zeroed int32 counter per (sequence, kv head), which the
+backend owns and reuses across layers, steps and graph replays (each launch leaves
+the counters at 0). ``fused_decode_reduce = False`` selects the reference two-kernel
+path (split kernel + reduce kernel).
+
 The kernels want per-step int32 device tensors that AttentionMetadata does not
 carry yet (``TritonStepMetadata``). ``prepare`` derives them from the metadata on
 the first layer of a step and caches them for the other layers (keyed on the
@@ -74,9 +80,18 @@ class TritonPagedAttention:
     """Registry entry 'triton': CUDA tensors of bf16/fp16/fp32, Triton importable."""
 
     name = "triton"
+    fused_decode_reduce = True
+    """Decode in one launch per layer (split kernel combining its own splits); False:
+    the reference split + reduce kernels. A class default, so a benchmark can flip it
+    before the engine builds its backend."""
 
     def __init__(self) -> None:
         self._step: tuple[AttentionMetadata, TritonStepMetadata] | None = None
+        self._counters: torch.Tensor | None = None
+        self._retired: list[torch.Tensor] = []
+        """Outgrown counter buffers, kept alive: a captured CUDA graph may still point
+        at one (and resets it itself), so freeing it would let the graph write into
+        memory handed out again."""
 
     @staticmethod
     def supports(device: torch.device, dtype: torch.dtype) -> bool:
@@ -91,6 +106,16 @@ class TritonPagedAttention:
         if self._step is None or self._step[0] is not meta:
             self._step = (meta, prepare(meta, device))
         return self._step[1]
+
+    def decode_counters(self, n: int, device: torch.device) -> torch.Tensor:
+        """At least n zeroed int32 counters. Grown outside graph capture in practice:
+        every capture is preceded by an eager warm-up of the same batch."""
+        c = self._counters
+        if c is None or c.numel() < n or c.device != device:
+            if c is not None:
+                self._retired.append(c)
+            self._counters = torch.zeros(max(256, 1 << (n - 1).bit_length()), dtype=torch.int32, device=device)
+        return self._counters
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                 kv_cache: torch.Tensor, meta: AttentionMetadata, scale: float) -> torch.Tensor:
@@ -110,8 +135,12 @@ class TritonPagedAttention:
         sm = self.step_metadata(meta, q.device)
         out = torch.empty_like(q)
         if sm.decode_token_index is not None:
+            fused = self.fused_decode_reduce
+            counters = self.decode_counters(sm.decode_seq_lens.shape[0] * kv_cache.shape[3], q.device) \
+                if fused else None
             paged_decode(q, kv_cache, sm.decode_block_table, sm.decode_seq_lens, scale,
-                         token_index=sm.decode_token_index, out=out, max_seq_len=sm.decode_max_seq_len)
+                         token_index=sm.decode_token_index, out=out, max_seq_len=sm.decode_max_seq_len,
+                         fused_reduce=fused, counters=counters)
         if sm.prefill_q_start is not None:
             paged_prefill(q, kv_cache, sm.prefill_block_table, sm.prefill_q_start, sm.prefill_q_lens,
                           sm.prefill_seq_lens, sm.prefill_max_q_len, scale, out=out)

@@ -3,6 +3,8 @@
 Input is the merged gate_up projection output [..., 2 * I] laid out [gate | up]
 (trellm/layers/linear.py MergedLinear); output [..., I]. Math in float32, rounded
 once (PyTorch rounds after the SiLU and again after the product: within one ulp).
+The skinny GEMV's ``glu`` mode (trellm/kernels/gemv.py) computes the same expression
+while loading the down projection's input, so the two must stay identical.
 """
 from __future__ import annotations
 
@@ -21,7 +23,7 @@ def _silu_and_mul_kernel(x_ptr, out_ptr, stride_x, stride_o, n_cols, BLOCK: tl.c
     mask = offs < n_cols
     gate = tl.load(x_ptr + row * stride_x + offs, mask=mask, other=0.0).to(tl.float32)
     up = tl.load(x_ptr + row * stride_x + n_cols + offs, mask=mask, other=0.0).to(tl.float32)
-    y = gate / (1.0 + tl.exp(-gate)) * up
+    y = gate / (1.0 + tl.exp(-gate)) * up  # mirrored in gemv._gemv_kernel (GLU): change both
     tl.store(out_ptr + row * stride_o + offs, y.to(out_ptr.dtype.element_ty), mask=mask)
 
 

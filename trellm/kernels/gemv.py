@@ -11,6 +11,13 @@ once at the end.
 Whether it replaces cuBLAS for a (shape, rows) is decided by timing both on the
 device (``GemvDispatch``), never assumed: the issue asks for cuBLAS unless ours is
 measured faster.
+
+``glu=True`` fuses the gated MLP's activation into the down projection: x is the
+gate_up output [M, 2K] ([gate | up]) and the kernel multiplies by
+``silu(gate) * up`` computed as it loads, with the arithmetic of
+``activation.silu_and_mul`` (float32, rounded once to the activation dtype), so it
+equals ``gemv(silu_and_mul(x), w)`` bit for bit and saves a launch and a round trip
+of the activation. The dispatch times it against the unfused pair per (shape, rows).
 """
 from __future__ import annotations
 
@@ -32,7 +39,7 @@ MAX_ROWS = 8
 @triton.jit
 def _gemv_kernel(x_ptr, w_ptr, b_ptr, y_ptr, M, N, K, stride_xm, stride_wn, stride_ym,
                  BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                 HAS_BIAS: tl.constexpr):
+                 HAS_BIAS: tl.constexpr, GLU: tl.constexpr):
     pid = tl.program_id(0)
     offs_n = pid * BLOCK_N + tl.arange(0, BLOCK_N)
     offs_m = tl.arange(0, BLOCK_M)
@@ -44,8 +51,16 @@ def _gemv_kernel(x_ptr, w_ptr, b_ptr, y_ptr, M, N, K, stride_xm, stride_wn, stri
         offs_k = k0 + tl.arange(0, BLOCK_K)
         k_mask = offs_k < K
         w = tl.load(w_rows + offs_k[None, :], mask=n_mask[:, None] & k_mask[None, :], other=0.0)
-        x = tl.load(x_ptr + offs_m[:, None] * stride_xm + offs_k[None, :],
-                    mask=m_mask[:, None] & k_mask[None, :], other=0.0)
+        x_mask = m_mask[:, None] & k_mask[None, :]
+        x_ptrs = x_ptr + offs_m[:, None] * stride_xm + offs_k[None, :]
+        if GLU:
+            # activation._silu_and_mul_kernel's expression and rounding, so the product
+            # sees the same activation values as the unfused path (masked: silu(0) * 0 = 0).
+            gate = tl.load(x_ptrs, mask=x_mask, other=0.0).to(tl.float32)
+            up = tl.load(x_ptrs + K, mask=x_mask, other=0.0).to(tl.float32)
+            x = (gate / (1.0 + tl.exp(-gate)) * up).to(x_ptr.dtype.element_ty)
+        else:
+            x = tl.load(x_ptrs, mask=x_mask, other=0.0)
         acc += x.to(tl.float32)[:, None, :] * w.to(tl.float32)[None, :, :]
     y = tl.sum(acc, axis=2)
     if HAS_BIAS:
@@ -63,13 +78,16 @@ def _blocks(m: int, n: int) -> tuple[int, int, int]:
     return block_m, block_n, block_k
 
 
-def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """``F.linear(x, weight, bias)`` for x [M, K] with M <= MAX_ROWS, weight [N, K]."""
-    m, k = x.shape
-    n = weight.shape[0]
-    if m > MAX_ROWS or weight.shape[1] != k or weight.stride(1) != 1:
-        raise ValueError(f"gemv takes x [<= {MAX_ROWS}, K] and a row-major weight [N, K]; "
-                         f"got {tuple(x.shape)} and {tuple(weight.shape)}")
+def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
+         glu: bool = False) -> torch.Tensor:
+    """``F.linear(x, weight, bias)`` for x [M, K] with M <= MAX_ROWS, weight [N, K].
+    ``glu``: x is [M, 2K] = [gate | up] and the result is
+    ``F.linear(silu_and_mul(x), weight, bias)`` in one launch."""
+    m, kx = x.shape
+    n, k = weight.shape
+    if m > MAX_ROWS or kx != (2 * k if glu else k) or weight.stride(1) != 1:
+        raise ValueError(f"gemv takes x [<= {MAX_ROWS}, K] (glu: [<= {MAX_ROWS}, 2K]) and a row-major "
+                         f"weight [N, K]; got {tuple(x.shape)} and {tuple(weight.shape)}")
     if x.stride(1) != 1:
         x = x.contiguous()
     y = torch.empty(m, n, dtype=x.dtype, device=x.device)
@@ -79,12 +97,17 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
     _gemv_kernel[(triton.cdiv(n, bn),)](
         x, weight, bias if bias is not None else weight, y, m, n, k,
         x.stride(0), weight.stride(0), y.stride(0),
-        BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, HAS_BIAS=bias is not None, num_warps=4)
+        BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, HAS_BIAS=bias is not None, GLU=glu, num_warps=4)
     return y
 
 
-def gemv_ref(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """Reference: float32 math, rounded once to x's dtype."""
+def gemv_ref(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
+             glu: bool = False) -> torch.Tensor:
+    """Reference: float32 math, rounded once to x's dtype. ``glu``: the activation
+    first, in float32 and rounded once to x's dtype, as the kernels round it."""
+    if glu:
+        gate, up = x.float().chunk(2, dim=-1)
+        x = (F.silu(gate) * up).to(x.dtype)
     y = x.float() @ weight.float().t()
     if bias is not None:
         y = y + bias.float()
@@ -98,10 +121,21 @@ class GemvDispatch:
     use_kernel: dict[tuple[int, int, int], bool] = field(default_factory=dict)
     timings_us: dict[tuple[int, int, int], tuple[float, float]] = field(default_factory=dict)
     """(cuBLAS, kernel) microseconds per call, for the log and benchmarks."""
+    use_glu: dict[tuple[int, int, int], bool] = field(default_factory=dict)
+    """Per down-projection (N, K, rows): the fused ``gemv(gate_up, w, glu=True)``."""
+    glu_timings_us: dict[tuple[int, int, int], tuple[float, float]] = field(default_factory=dict)
+    """(silu_and_mul + the linear ``wants`` picks, fused kernel) microseconds per call."""
 
     def wants(self, x: torch.Tensor, weight: torch.Tensor) -> bool:
         m = x.shape[0] if x.dim() == 2 else -1
         return self.use_kernel.get((weight.shape[0], weight.shape[1], m), False)
+
+    def wants_glu(self, gate_up: torch.Tensor, weight: torch.Tensor) -> bool:
+        """Whether ``weight``'s projection of ``silu_and_mul(gate_up)`` should be the
+        fused GEMV; False unless calibration timed it faster."""
+        if gate_up.dim() != 2 or gate_up.shape[1] != 2 * weight.shape[1]:
+            return False
+        return self.use_glu.get((weight.shape[0], weight.shape[1], gate_up.shape[0]), False)
 
     def calibrate(self, weights: list[torch.Tensor], rows: tuple[int, ...] = (1, 2, 4, 8),
                   margin: float = 0.95) -> "GemvDispatch":
@@ -123,6 +157,33 @@ class GemvDispatch:
         picked = sorted(k for k, v in self.use_kernel.items() if v)
         log.info("skinny GEMM: Triton kernel for %d of %d (N, K, rows) cases (%.1fs): %s",
                  len(picked), len(self.use_kernel), time.perf_counter() - t0, picked)
+        return self
+
+    def calibrate_glu(self, weights: list[torch.Tensor], rows: tuple[int, ...] = (1, 2, 4, 8),
+                      margin: float = 0.95) -> "GemvDispatch":
+        """For each distinct down-projection shape in ``weights``: the fused GEMV against
+        what the MLP runs otherwise, the silu_and_mul kernel then cuBLAS or our GEMV as
+        ``wants`` picks (so run after ``calibrate``); both timed inside CUDA graphs, the
+        fused one must win by 5%."""
+        from trellm.kernels.activation import silu_and_mul
+
+        t0 = time.perf_counter()
+        by_shape: dict[tuple[int, int], torch.Tensor] = {}
+        for w in weights:
+            if w.stride(1) == 1:
+                by_shape.setdefault((w.shape[0], w.shape[1]), w)
+        for (n, k), w in sorted(by_shape.items(), key=lambda item: item[0]):
+            for m in rows:
+                x = torch.randn(m, 2 * k, dtype=w.dtype, device=w.device)
+                key = (n, k, m)
+                linear = gemv if self.use_kernel.get(key, False) else F.linear
+                unfused = _time_us(lambda: linear(silu_and_mul(x), w))
+                fused = _time_us(lambda: gemv(x, w, glu=True))
+                self.glu_timings_us[key] = (unfused, fused)
+                self.use_glu[key] = fused < margin * unfused
+        picked = sorted(key for key, fused_wins in self.use_glu.items() if fused_wins)
+        log.info("SiLU-and-mul fused into the down projection's GEMV for %d of %d (N, K, rows) cases "
+                 "(%.1fs): %s", len(picked), len(self.use_glu), time.perf_counter() - t0, picked)
         return self
 
 

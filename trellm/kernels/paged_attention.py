@@ -11,8 +11,15 @@ as rows of one tile, so each K/V tile is loaded once per group, not once per hea
 
 Decode (one query token per sequence): the context is split into ``num_splits``
 ranges handled by separate programs (split-K / flash-decoding), each writing a
-partial output and its log-sum-exp; a reduce kernel combines them. With one split
-the first kernel writes the output directly and the reduce is skipped.
+partial output and its log-sum-exp. Two ways to combine them:
+- the reference path, a second (reduce) kernel over every split;
+- ``fused_reduce=True``, one launch: each non-empty split writes its partial, then
+  counts itself in on a per-(sequence, kv head) int32 counter; the program that
+  arrives last combines the partials and sets the counter back to 0, so one
+  zeroed buffer serves every later launch and CUDA-graph replay. Under a graph the
+  split count is fixed, so the reduce launch of the reference path always runs; this
+  removes it. A sequence whose context fits one split writes its output directly.
+With one split (``num_splits == 1``) both paths write the output directly.
 
 Prefill (a chunk of q_len queries per sequence, at positions seq_len - q_len ..
 seq_len - 1): flash-attention over the cached prefix plus the chunk, causal within
@@ -37,6 +44,9 @@ _SPLITS_PER_SM = 4
 # 16 x 32k and 1 x 128k contexts, 2.8 TB/s at 1 x 33k; BLOCK_N 128 or 3 stages
 # changed single cases by up to 10%, not all of them the same way.
 _DECODE_WARPS, _DECODE_STAGES, _DECODE_BLOCK_N = 4, 2, 64
+_COMBINE_TILE = 4096
+"""Elements of a fused-combine step's [heads, splits, D] tile: 32 float32 registers a
+thread at 4 warps, so the combine does not raise the split kernel's register count much."""
 
 
 # ---- decode ------------------------------------------------------------------------
@@ -52,11 +62,12 @@ def _decode_split_kernel(
     stride_ot, stride_oh,
     stride_pb, stride_ph, stride_ps,
     stride_lb, stride_lh,
-    num_splits,
+    num_splits, counter_ptr,
     GROUP: tl.constexpr, BLOCK_G: tl.constexpr,
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
     PAGE: tl.constexpr, BLOCK_N: tl.constexpr,
-    DIRECT: tl.constexpr, PRECISION: tl.constexpr,
+    DIRECT: tl.constexpr, FUSED: tl.constexpr, BLOCK_S: tl.constexpr,
+    BLOCK_H: tl.constexpr, CHUNK: tl.constexpr, PRECISION: tl.constexpr,
 ):
     b = tl.program_id(0)
     kvh = tl.program_id(1)
@@ -64,9 +75,13 @@ def _decode_split_kernel(
     seq_len = tl.load(seq_lens_ptr + b)
     row = tl.load(token_index_ptr + b).to(tl.int64)
     # Splits cover whole BLOCK_N tiles; trailing splits of a short sequence are empty.
-    per_split = tl.cdiv(tl.cdiv(seq_len, num_splits), BLOCK_N) * BLOCK_N
+    # (The floor of BLOCK_N only matters for seq_len 0, outside the contract: no division by 0.)
+    per_split = tl.maximum(tl.cdiv(tl.cdiv(seq_len, num_splits), BLOCK_N) * BLOCK_N, BLOCK_N)
     start = split * per_split
     end = tl.minimum(start + per_split, seq_len)
+    if FUSED:
+        if start >= seq_len:
+            return  # empty: the fused combine reads only the non-empty splits
 
     offs_g = tl.arange(0, BLOCK_G)
     offs_d = tl.arange(0, BLOCK_D)
@@ -97,17 +112,74 @@ def _decode_split_kernel(
         m_i = m_new
 
     out_mask = g_mask[:, None] & d_mask[None, :]
+    out_ptrs = out_ptr + row * stride_ot + heads[:, None] * stride_oh + offs_d[None, :]
+    part_rows = part_out_ptr + b * stride_pb + heads[:, None] * stride_ph + split * stride_ps + offs_d[None, :]
+    lse_ptrs = part_lse_ptr + b * stride_lb + heads * stride_lh + split
     if DIRECT:
-        o = acc / l_i[:, None]
-        tl.store(out_ptr + row * stride_ot + heads[:, None] * stride_oh + offs_d[None, :],
-                 o.to(out_ptr.dtype.element_ty), mask=out_mask)
+        tl.store(out_ptrs, (acc / l_i[:, None]).to(out_ptr.dtype.element_ty), mask=out_mask)
+    elif FUSED:
+        n_used = tl.cdiv(seq_len, per_split)  # the non-empty splits: exactly those with start < seq_len
+        if n_used == 1:
+            # The lone split's acc / l_i is what a reduce returns (its weight is exp2(0) = 1).
+            tl.store(out_ptrs, (acc / l_i[:, None]).to(out_ptr.dtype.element_ty), mask=out_mask)
+        else:
+            tl.store(part_rows, acc / l_i[:, None], mask=out_mask)
+            tl.store(lse_ptrs, m_i + tl.log2(l_i), mask=g_mask)
+            _arrive_and_combine(part_out_ptr, part_lse_ptr, out_ptr, counter_ptr + b * tl.num_programs(1) + kvh,
+                                row, b, kvh, n_used, stride_pb, stride_ph, stride_ps, stride_lb, stride_lh,
+                                stride_ot, stride_oh, GROUP=GROUP, HEAD_DIM=HEAD_DIM, BLOCK_D=BLOCK_D,
+                                BLOCK_H=BLOCK_H, CHUNK=CHUNK, BLOCK_S=BLOCK_S)
     else:
         # An empty split leaves l_i == 0: store zeros and lse = -inf (weight 0 in the reduce).
-        o = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
-        lse = m_i + tl.log2(l_i)
-        tl.store(part_out_ptr + b * stride_pb + heads[:, None] * stride_ph + split * stride_ps
-                 + offs_d[None, :], o, mask=out_mask)
-        tl.store(part_lse_ptr + b * stride_lb + heads * stride_lh + split, lse, mask=g_mask)
+        tl.store(part_rows, acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None], mask=out_mask)
+        tl.store(lse_ptrs, m_i + tl.log2(l_i), mask=g_mask)
+
+
+@triton.jit
+def _arrive_and_combine(part_out_ptr, part_lse_ptr, out_ptr, counter, row, b, kvh, n_used,
+                        stride_pb, stride_ph, stride_ps, stride_lb, stride_lh, stride_ot, stride_oh,
+                        GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
+                        BLOCK_H: tl.constexpr, CHUNK: tl.constexpr, BLOCK_S: tl.constexpr):
+    """Count this split in; the last of the ``n_used`` arrivals combines them all.
+
+    The pattern of CUTLASS's split-K semaphore: a CTA barrier (every thread's partial
+    stores are done), then one acq_rel atomic at GPU scope (release: those stores
+    happen-before the count; acquire, for the last arrival: every other split's
+    released stores are visible to it); the partials are then read through L2 (.cg).
+    The combine is the reduce kernel's arithmetic (weights exp2(lse - max) over their
+    sum), summed over CHUNK splits per step: the loads of a chunk are in flight
+    together, so a 64-split combine costs 64 / CHUNK L2 round trips, not 64. Rows are
+    the group's heads (BLOCK_H, not the dot-padded BLOCK_G) to keep the tile small."""
+    tl.debug_barrier()
+    arrived = tl.atomic_add(counter, 1, sem="acq_rel", scope="gpu")
+    if arrived == n_used - 1:
+        offs_h = tl.arange(0, BLOCK_H)
+        h_mask = offs_h < GROUP
+        heads = kvh * GROUP + offs_h
+        offs_d = tl.arange(0, BLOCK_D)
+        d_mask = offs_d < HEAD_DIM
+        offs_s = tl.arange(0, BLOCK_S)
+        lse_rows = part_lse_ptr + b * stride_lb + heads * stride_lh
+        lse = tl.load(lse_rows[:, None] + offs_s[None, :], mask=h_mask[:, None] & (offs_s < n_used)[None, :],
+                      other=float("-inf"), cache_modifier=".cg")
+        # Split 0 is non-empty, so m is finite on real rows; padding rows get weight 0.
+        m = tl.where(h_mask, tl.max(lse, 1), 0.0)
+        denom = tl.where(h_mask, tl.sum(tl.exp2(lse - m[:, None]), 1), 1.0)
+        o_rows = part_out_ptr + b * stride_pb + heads * stride_ph
+        res = tl.zeros([BLOCK_H, BLOCK_D], dtype=tl.float32)
+        for s0 in range(0, n_used, CHUNK):
+            offs_c = s0 + tl.arange(0, CHUNK)
+            hc_mask = h_mask[:, None] & (offs_c < n_used)[None, :]
+            lse_c = tl.load(lse_rows[:, None] + offs_c[None, :], mask=hc_mask, other=float("-inf"),
+                            cache_modifier=".cg")
+            w = tl.exp2(lse_c - m[:, None]) / denom[:, None]
+            o = tl.load(o_rows[:, None, None] + offs_c[None, :, None] * stride_ps + offs_d[None, None, :],
+                        mask=hc_mask[:, :, None] & d_mask[None, None, :], other=0.0, cache_modifier=".cg")
+            res += tl.sum(o * w[:, :, None], 1)
+        tl.store(out_ptr + row * stride_ot + heads[:, None] * stride_oh + offs_d[None, :],
+                 res.to(out_ptr.dtype.element_ty), mask=h_mask[:, None] & d_mask[None, :])
+        # Every arrival has counted (this one was last): ready for the next launch or replay.
+        tl.atomic_xchg(counter, 0, sem="relaxed", scope="gpu")
 
 
 @triton.jit
@@ -181,7 +253,8 @@ def _check_cache(q: torch.Tensor, kv_cache: torch.Tensor) -> tuple[int, int, int
 def paged_decode(q: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.Tensor,
                  seq_lens: torch.Tensor, scale: float, *, token_index: torch.Tensor | None = None,
                  out: torch.Tensor | None = None, max_seq_len: int | None = None,
-                 num_splits: int | None = None) -> torch.Tensor:
+                 num_splits: int | None = None, fused_reduce: bool = False,
+                 counters: torch.Tensor | None = None) -> torch.Tensor:
     """One query token per sequence attending over its paged context.
 
     q: [T, Hq, D]; sequence b's query is row ``token_index[b]`` (default: row b).
@@ -190,6 +263,11 @@ def paged_decode(q: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.Ten
     (default: a new tensor like q; other rows are left alone). ``max_seq_len`` (a
     host int, an upper bound is fine) only sizes the split count; without it the
     table width bounds it. Never synchronizes with the device.
+
+    ``fused_reduce``: combine the splits in the split kernel (one launch, see the
+    module doc) instead of a reduce kernel. ``counters``: int32, >= B * kv_heads
+    entries, all 0; the kernel leaves them 0, so pass a persistent buffer. None
+    allocates zeros for this call (under a CUDA graph: a memset in every replay).
     """
     page, hk, d, group = _check_cache(q, kv_cache)
     bsz = block_table.shape[0]
@@ -206,15 +284,11 @@ def paged_decode(q: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.Ten
     block_d = max(16, triton.next_power_of_2(d))
     block_n = _DECODE_BLOCK_N if block_g <= 32 else 32
     direct = num_splits == 1
-    hq = q.shape[1]
-    if direct:
-        part_out = out  # unused
-        part_lse = out
-        p_strides, l_strides = (0, 0, 0), (0, 0)
-    else:
-        part_out = torch.empty(bsz, hq, num_splits, d, dtype=torch.float32, device=q.device)
-        part_lse = torch.empty(bsz, hq, num_splits, dtype=torch.float32, device=q.device)
-        p_strides, l_strides = part_out.stride()[:3], part_lse.stride()[:2]
+    part_out, part_lse, p_strides, l_strides = _partials(out, bsz, num_splits, d, direct)
+    fused = fused_reduce and not direct
+    if fused:
+        counters = _check_counters(counters, bsz * hk, q.device)
+    block_s, block_h = max(2, triton.next_power_of_2(num_splits)), max(2, triton.next_power_of_2(group))
     k_cache, v_cache = kv_cache[0], kv_cache[1]
     _decode_split_kernel[(bsz, hk, num_splits)](
         q, k_cache, v_cache, block_table, seq_lens, token_index,
@@ -225,29 +299,51 @@ def paged_decode(q: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.Ten
         block_table.stride(0),
         out.stride(0), out.stride(1),
         *p_strides, *l_strides,
-        num_splits,
+        num_splits, counters if fused else seq_lens,
         GROUP=group, BLOCK_G=block_g, HEAD_DIM=d, BLOCK_D=block_d,
-        PAGE=page, BLOCK_N=block_n, DIRECT=direct,
+        PAGE=page, BLOCK_N=block_n, DIRECT=direct, FUSED=fused,
+        BLOCK_S=block_s, BLOCK_H=block_h, CHUNK=max(2, min(block_s, _COMBINE_TILE // (block_h * block_d))),
         PRECISION=_dot_precision(q.dtype),
         num_warps=_DECODE_WARPS, num_stages=_DECODE_STAGES,
     )
-    if not direct:
-        _decode_reduce_kernel[(bsz, hq)](
+    if not direct and not fused:
+        _decode_reduce_kernel[(bsz, q.shape[1])](
             part_out, part_lse, token_index, out,
             *p_strides, *l_strides,
             out.stride(0), out.stride(1),
             num_splits,
-            BLOCK_S=max(2, triton.next_power_of_2(num_splits)), HEAD_DIM=d, BLOCK_D=block_d,
-            num_warps=4,
+            BLOCK_S=block_s, HEAD_DIM=d, BLOCK_D=block_d, num_warps=4,
         )
     return out
+
+
+def _partials(out: torch.Tensor, bsz: int, num_splits: int, d: int, direct: bool) -> tuple:
+    """(part_out [B, Hq, S, D], part_lse [B, Hq, S], their strides) in float32; with one
+    split the kernel writes ``out`` directly and these are unused placeholders."""
+    if direct:
+        return out, out, (0, 0, 0), (0, 0)
+    part_out = torch.empty(bsz, out.shape[1], num_splits, d, dtype=torch.float32, device=out.device)
+    part_lse = torch.empty(bsz, out.shape[1], num_splits, dtype=torch.float32, device=out.device)
+    return part_out, part_lse, part_out.stride()[:3], part_lse.stride()[:2]
+
+
+def _check_counters(counters: torch.Tensor | None, need: int, device: torch.device) -> torch.Tensor:
+    if counters is None:
+        return torch.zeros(need, dtype=torch.int32, device=device)
+    if counters.dtype != torch.int32 or counters.numel() < need or not counters.is_contiguous() \
+            or counters.device != device:
+        raise ValueError(f"counters must be a contiguous int32 tensor of >= {need} entries on {device}, "
+                         f"got {counters.dtype} {tuple(counters.shape)} on {counters.device}")
+    return counters
 
 
 def paged_decode_ref(q: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.Tensor,
                      seq_lens: torch.Tensor, scale: float, *, token_index: torch.Tensor | None = None,
                      out: torch.Tensor | None = None, max_seq_len: int | None = None,
-                     num_splits: int | None = None) -> torch.Tensor:
-    """Reference for ``paged_decode``: gathers each sequence's K/V and attends in float32."""
+                     num_splits: int | None = None, fused_reduce: bool = False,
+                     counters: torch.Tensor | None = None) -> torch.Tensor:
+    """Reference for ``paged_decode`` (either reduce): gathers each sequence's K/V and
+    attends in float32."""
     page, hk, d, group = _check_cache(q, kv_cache)
     bsz = block_table.shape[0]
     rows = list(range(bsz)) if token_index is None else token_index.tolist()

@@ -19,6 +19,11 @@ from trellm.quant.base import get_lm_head_method, get_linear_method
 
 ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM")
 
+ROTATION_MAX_TOKENS = 16
+"""Steps of at most this many tokens apply RoPE as a batched matmul on the CPU (float32):
+fewer ops per layer for decode; longer prefill chunks keep the elementwise tables, whose
+cost grows with T while the matrices' grows with T * D."""
+
 # checkpoint name fragment -> (fused module name, shard index)
 STACKED = {
     "q_proj": ("qkv_proj", 0), "k_proj": ("qkv_proj", 1), "v_proj": ("qkv_proj", 2),
@@ -59,7 +64,7 @@ class Attention(torch.nn.Module):
             return self.o_proj(out.reshape(t, -1))
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
-        q, k = self.rope(q, k, ctx.cos_sin)
+        q, k = self.rope(q, k, ctx.cos_sin, ctx.rope_rotation)
         out = ctx.backend.forward(q, k, v, kv_cache, ctx.meta, self.scale)
         return self.o_proj(out.reshape(t, -1))
 
@@ -73,7 +78,13 @@ class MLP(torch.nn.Module):
 
     def forward(self, x: torch.Tensor, ops=None) -> torch.Tensor:
         if ops is not None:
-            return self.down_proj(ops.silu_and_mul(self.gate_up_proj(x)))
+            gate_up = self.gate_up_proj(x)
+            # Dense down projections carry the calibrated GEMV dispatch (worker/builder.py);
+            # it picks the GEMV with SiLU-and-mul fused in only where that timed faster.
+            dispatch = getattr(self.down_proj.method, "gemv_dispatch", None)
+            if dispatch is not None and dispatch.wants_glu(gate_up, self.down_proj.weight):
+                return gemv(gate_up, self.down_proj.weight, self.down_proj.bias, glu=True)
+            return self.down_proj(ops.silu_and_mul(gate_up))
         gate, up = self.gate_up_proj.split(self.gate_up_proj(x))
         return self.down_proj(F.silu(gate) * up)
 
@@ -120,7 +131,10 @@ class LlamaForCausalLM(torch.nn.Module):
         x = self.embed_tokens(input_ids)
         if ctx.ops is not None:
             return self._forward_fused(x, positions, ctx)
-        ctx.cos_sin = self.layers[0].self_attn.rope.cos_sin(positions, x.dtype)
+        rope = self.layers[0].self_attn.rope
+        ctx.cos_sin = rope.cos_sin(positions, x.dtype)
+        if x.device.type == "cpu" and x.dtype == torch.float32 and len(positions) <= ROTATION_MAX_TOKENS:
+            ctx.rope_rotation = rope.rotation(positions)
         for layer in self.layers:
             x = layer(x, positions, ctx)
         return self.norm(x)

@@ -139,6 +139,16 @@ def _calibrate_gemv(model: torch.nn.Module) -> None:
     except Exception as e:  # a kernel that fails to build must not stop the engine: cuBLAS it is
         log.warning("skinny-GEMM kernel unavailable (%s); using cuBLAS", str(e).splitlines()[0])
         return
+    # Gated MLPs (a merged gate_up, then down_proj) whose down projection is dense: the
+    # candidates for SiLU-and-mul fused into the down projection's GEMV.
+    dense = {id(m) for m in linears}
+    down = [m.down_proj.weight for m in model.modules()
+            if hasattr(m, "gate_up_proj") and id(getattr(m, "down_proj", None)) in dense]
+    try:
+        dispatch.calibrate_glu(down)
+    except Exception as e:  # the fused variant failing must not cost the plain GEMV choices
+        log.warning("fused SiLU-and-mul GEMV unavailable (%s); unfused MLP", str(e).splitlines()[0])
+        dispatch.use_glu.clear()
     for m in linears:
         m.method.gemv_dispatch = dispatch
     model.gemv_dispatch = dispatch

@@ -21,6 +21,8 @@ class ForwardContext:
     meta: object
     cos_sin: tuple[torch.Tensor, torch.Tensor] | None = None
     """RoPE tables for this step's positions, filled once by the model for all layers."""
+    rope_rotation: torch.Tensor | None = None
+    """[T, D, D] RoPE as rotation matrices (small CPU steps; see RotaryEmbedding.rotation)."""
     ops: object | None = None
     """trellm.kernels.FusedOps: the model takes its fused path (GPU kernels); None: plain ops."""
 
