@@ -181,7 +181,12 @@ class GGUFQ4LinearMethod(LinearMethod):
             return F.linear(x, layer.weight, layer.bias)
         x2 = x.reshape(-1, x.shape[-1])
         if x2.shape[0] >= DENSE_MIN_ROWS:
-            y = F.linear(x2.float(), dense_weight(layer)).to(x.dtype).reshape(*x.shape[:-1], -1)
+            # The kernel's roundings (bf16 activations in, bf16 out) around a float32 GEMM:
+            # a prompt computed here and the same tokens computed by the kernel (the short
+            # tail after a prefix-cache hit, a small chunk) then differ only in summation
+            # order, not by bf16-vs-float32 activations, which flipped greedy choices.
+            xb = x2.to(torch.bfloat16).float()
+            y = F.linear(xb, dense_weight(layer)).to(torch.bfloat16).reshape(*x.shape[:-1], -1)
             return y if layer.bias is None else y + layer.bias
         x2 = x2.to(torch.bfloat16).contiguous()
         y = torch._weight_int4pack_mm_for_cpu(x2, layer.q4_packed, GROUP, layer.q4_scales_and_zeros)
