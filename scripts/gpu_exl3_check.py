@@ -17,6 +17,9 @@ rewritten to DIR/gpu-exl3.json after every stage; a stage that would start past
   the best path per batch and the dispatch thresholds that follow.
 * sweep: a few GEMV / GEMM block configurations at K=4.
 * int8: the W8A16 kernel and dequant + cuBLAS, checked and timed the same way.
+* The engine runs merged layers through the fused-layer kernel (trellm/kernels/exl3_fast.py,
+  registered in trellm/quant/exl3/method.py); correctness and timing include it as path "fast"
+  (one part, its default dispatch). scripts/gpu_exl3_sweep.py compares its variants.
 * engine: dummy 8B with --quantization exl3 --bits 2/3/4, int8 and bf16: single-stream
   decode tok/s (128-token prompt, 256 new, greedy, ignore_eos), prefill tok/s of an
   8192-token prompt, and aggregate decode at 32 concurrent for 4.0 bpw.
@@ -141,6 +144,9 @@ def _correct_job(job: tuple) -> list[dict]:
         for path, batches in paths.items():
             checks += [lambda w=w, p=path, b=b: qt.check_exl3_matmul(w, b, torch.bfloat16, p, seed=b)
                        for b in batches]
+        # The engine's path (the fused-layer kernel, exl3_fast, default dispatch) at every batch.
+        fast_batches = sorted({b for bs in paths.values() for b in bs})
+        checks += [lambda w=w, b=b: check_fast(w, b) for b in fast_batches]
         for check in checks:
             try:
                 out.append(dataclasses.asdict(check()))
@@ -151,6 +157,21 @@ def _correct_job(job: tuple) -> list[dict]:
         if device.type == "cuda":
             torch.cuda.empty_cache()
     return out
+
+
+def check_fast(w, rows: int):
+    """exl3_fast.fast_matmul (what the engine runs through the layer-kernel registry) against
+    the float32 reference, bf16 x; fp16-activation tolerance as the GEMM path's."""
+    from trellm.kernels import exl3_fast
+    from trellm.kernels.testing import compare, quant_tolerance
+    from trellm.quant.exl3.reference import forward_reference
+
+    x = torch.randn(rows, w.in_features, device=w.trellis.device,
+                    generator=torch.Generator(w.trellis.device).manual_seed(rows)).bfloat16()
+    got = exl3_fast.fast_matmul(exl3_fast.fuse([w]), x)
+    want = forward_reference(w, x.float()).bfloat16()
+    return compare("exl3_fast", f"{w.in_features}x{w.out_features} K={w.bits:g} {w.codebook} x={rows}", got, want,
+                   quant_tolerance(torch.bfloat16, True), torch.bfloat16)
 
 
 def stage_correctness(cfg: dict, device: torch.device, res: dict, deadline: float) -> None:
@@ -188,7 +209,7 @@ def _worst(results: list[dict]) -> dict:
 # ---- stage: timing -----------------------------------------------------------------------------
 
 def _time_exl3(in_f: int, out_f: int, bits: int, codebook: str, batches, device, cfg: dict) -> list[dict]:
-    from trellm.kernels import exl3_gemv
+    from trellm.kernels import exl3_fast, exl3_gemv
     from trellm.kernels import quant_testing as qt
 
     w0 = qt.exl3_weight(in_f, out_f, bits, codebook, device)
@@ -207,6 +228,12 @@ def _time_exl3(in_f: int, out_f: int, bits: int, codebook: str, batches, device,
             rows.append({"shape": f"{in_f}x{out_f}", "bits": bits, "codebook": codebook, "batch": b, "path": path,
                          "us": round(us, 2), "packed_GB_s": round(nbytes / us / 1e3, 1),
                          "bf16_us": round(base, 2), "speedup_vs_bf16": round(base / us, 3)})
+        # The engine's path: the fused-layer kernel with its default dispatch (exl3_fast).
+        fused = [exl3_fast.fuse([w]) for w in ws]
+        us = bench_us([lambda f=f: exl3_fast.fast_matmul(f, x) for f in fused], device)
+        rows.append({"shape": f"{in_f}x{out_f}", "bits": bits, "codebook": codebook, "batch": b, "path": "fast",
+                     "us": round(us, 2), "packed_GB_s": round(nbytes / us / 1e3, 1),
+                     "bf16_us": round(base, 2), "speedup_vs_bf16": round(base / us, 3)})
     del ws, dense
     return rows
 
@@ -214,14 +241,17 @@ def _time_exl3(in_f: int, out_f: int, bits: int, codebook: str, batches, device,
 def best_paths(rows: list[dict]) -> dict:
     """Per (shape, bits, codebook, batch): the fastest path; then thresholds: the largest
     batch where the GEMV still wins everywhere it ran, the smallest from which
-    reconstruct wins everywhere."""
+    reconstruct wins everywhere. The thresholds (exl3_gemv's Dispatch) leave out "fast",
+    which has its own dispatch (exl3_fast.FastDispatch)."""
     best: dict[tuple, dict] = {}
+    best_old: dict[tuple, dict] = {}
     for r in rows:
         key = (r["shape"], r["bits"], r["codebook"], r["batch"])
-        if key not in best or r["us"] < best[key]["us"]:
-            best[key] = r
-    batches = sorted({k[3] for k in best})
-    wins = {b: {r["path"] for k, r in best.items() if k[3] == b} for b in batches}
+        for table in (best, best_old) if r["path"] != "fast" else (best,):
+            if key not in table or r["us"] < table[key]["us"]:
+                table[key] = r
+    batches = sorted({k[3] for k in best_old})
+    wins = {b: {r["path"] for k, r in best_old.items() if k[3] == b} for b in batches}
     gemv_max = max([b for b in batches if wins[b] == {"gemv"}], default=0)
     recon = [b for b in batches if all(wins[c] == {"reconstruct"} for c in batches if c >= b)]
     return {"best": [{"case": "/".join(map(str, k)), "path": r["path"], "us": r["us"],
@@ -399,11 +429,12 @@ def print_engine(res: dict) -> None:
 
 
 def header(device: torch.device) -> dict:
-    from trellm.kernels import exl3_gemv, int8_gemv
+    from trellm.kernels import exl3_fast, exl3_gemv, int8_gemv
 
     h = {"command": " ".join(sys.argv), "date": time.strftime("%F %T"), "torch": torch.__version__,
          "device": torch.cuda.get_device_name() if device.type == "cuda" else "cpu",
          "exl3_dispatch": dataclasses.asdict(exl3_gemv.get_dispatch()),
+         "exl3_fast_dispatch": dataclasses.asdict(exl3_fast.get_dispatch()),
          "int8_dispatch": dataclasses.asdict(int8_gemv.get_dispatch())}
     try:
         import triton

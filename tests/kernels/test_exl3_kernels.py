@@ -117,6 +117,7 @@ def test_layer_routes_each_part(device):
 
     exl3_method.register_kernel(exl3_method.EXL3Kernel(
         "test", lambda part, x: exl3_gemv.kernel_bits(part) is not None, run))
+    layer.exl3_layer_kernel = None  # on CUDA the fused-layer kernel would take the layer first
     try:
         x = torch.randn(2, 128, generator=g, device=device)
         got = layer(x)
@@ -125,3 +126,124 @@ def test_layer_routes_each_part(device):
     assert calls == [3]
     want = torch.cat([forward_reference(p, x) for p in layer.exl3_parts], dim=-1)
     torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)
+
+
+# ---- exl3_fast: matrix-order decode, fused parts ------------------------------------------------
+#
+# Tolerances: the decode is bit-exact (EXACT: fp16 bit patterns). The dot variants round the
+# transformed activations to fp16 before the tensor-core product (as ExLlamaV3 and the GEMM
+# path do), so they get ``quant_tolerance(dtype, True)`` (fp16's 4e-3 + 2e-3 |y| at least;
+# measured max error ~1e-3 at |y| ~ 4 for 384 inputs); the one-row FMA variant keeps float32
+# activations and float32 sums, so float32's 1e-4 (measured ~2e-6) — its only difference
+# from the reference is the summation order.
+
+from trellm.kernels import exl3_decode, exl3_fast  # noqa: E402
+from trellm.kernels.exl3_fast import FastConfig  # noqa: E402
+from trellm.kernels.testing import EXACT, compare, quant_tolerance  # noqa: E402
+
+# 384 inputs = 24 tile rows: tk=16 leaves a partial last step (masked), tk=8 divides it.
+# 256 outputs: tn=4 gives 4 column blocks, tn=8 two. The interpreter's 4 "SMs" make split-K.
+# Every row count runs on both main kernels (_fast_kernel, and _split_kernel: split=True).
+FAST_ROWS = [
+    (1, FastConfig(tk=16, tn=8, dot=False)),  # FMA, uneven K
+    (1, FastConfig(tk=8, tn=4, dot=False, split=True)),
+    (3, FastConfig(tk=8, tn=4)),  # dot, 3 splits of one step
+    (3, FastConfig(tk=8, tn=4, split=True)),
+    (8, FastConfig(tk=8, tn=8, in_had=True)),  # input Hadamard fused
+    (8, FastConfig(tk=16, tn=8, split=True)),
+    (16, FastConfig(tk=16, tn=8, block_m=16)),  # uneven K
+    (16, FastConfig(tk=8, tn=4, split=True, block_m=16)),
+    (33, FastConfig(tk=16, tn=8, block_m=64, in_had=True)),  # one row block of 64, 256-wide Hadamard steps
+    (33, FastConfig(tk=16, tn=8, block_m=64, split=True)),
+]
+
+
+def _check_fast(f, rows, cfg, dtype=torch.float32, seed=0, want_parts=None):
+    x = torch.randn(rows, f.in_features, generator=torch.Generator().manual_seed(seed)).to(f.trellis.device)
+    x = x.to(dtype)
+    got = exl3_fast.fast_matmul(f, x, cfg)
+    want = torch.cat([forward_reference(p, x.float()) for p in (want_parts or f.parts)], dim=-1).to(dtype)
+    tol = quant_tolerance(dtype, cfg.dot)
+    _ok(compare(f"exl3_fast {cfg}", f"x={rows}", got, want, tol, dtype))
+
+
+@pytest.mark.parametrize("codebook", CODEBOOKS)
+@pytest.mark.parametrize("bits", range(1, 9))
+def test_fast_every_k_codebook_and_rows(bits, codebook, device):
+    w = qt.exl3_weight(384, 256, bits, codebook, device, seed=100 + 10 * bits + CODEBOOKS.index(codebook))
+    got = exl3_fast.fast_reconstruct(w, tk=4, tn=8)
+    _ok(compare("exl3_fast_reconstruct", str(bits), got, exl3_decode.exl3_reconstruct_ref(w).to(got.device),
+                EXACT, torch.float16))
+    f = exl3_fast.fuse([w])
+    for rows, cfg in FAST_ROWS:
+        _check_fast(f, rows, cfg, seed=rows)
+
+
+def test_fast_merged_parts_unpadded_bias_dtypes(device):
+    # q/k/v-like parts of different, unpadded widths (200 inputs, 256 + 100 + 130 outputs):
+    # one launch each, part lookup per column block, scattered unpadded output with bias.
+    parts = [qt.exl3_weight(200, o, 3, "mul1", device, seed=o, bias=True) for o in (256, 100, 130)]
+    f = exl3_fast.fuse(parts)
+    assert f.trellis.shape[1] == 16 + 8 + 16 and f.parts[1].trellis.data_ptr() != parts[1].trellis.data_ptr()
+    for dtype in (torch.bfloat16, torch.float32):
+        _check_fast(f, 5, FastConfig(tk=4, tn=4), dtype, want_parts=parts)
+        _check_fast(f, 5, FastConfig(tk=8, tn=8, in_had=True), dtype, want_parts=parts)
+    _check_fast(f, 1, FastConfig(tk=8, tn=2, dot=False), want_parts=parts)
+    _check_fast(f, 4, FastConfig(tk=4, tn=4, split=True), torch.bfloat16, want_parts=parts)
+    # The parts are views of the fused trellis now; the per-part kernels still read them.
+    _ok(qt.check_exl3_matmul(f.parts[2], 3, torch.float32, "gemv", BIG))
+    _ok(qt.check_exl3_reconstruct(f.parts[1], block=ONE.reconstruct))
+
+
+def test_fast_groups_and_layer_hook(device):
+    # Parts of different K become separate groups; a half-integer part stays with the
+    # reference. Through MergedLinear with the fused-layer kernel admitted on this device.
+    from trellm.layers.linear import MergedLinear
+    from trellm.quant.exl3 import method as exl3_method
+    from trellm.quant.exl3.loading import random_exl3_tensors
+
+    g = torch.Generator(device=device).manual_seed(0)
+    sizes = [(128, 3), (128, 3), (32, 2.5), (256, 2)]
+    layer = MergedLinear(128, [s for s, _ in sizes], False, exl3_method.EXL3LinearMethod(), torch.float32)
+    layer.exl3_device = device
+    for shard, (out_f, bits) in enumerate(sizes):
+        for name, t in random_exl3_tensors("p", 128, out_f, bits, "mul1", g, device):
+            layer.weight_loader(name.rsplit(".", 1)[1], t, shard)
+    kernel = exl3_method.EXL3LayerKernel("test-fast", lambda parts: exl3_fast.prepare_layer(parts, force=True),
+                                         lambda state, x: True, exl3_fast.run_layer)
+    exl3_method.register_layer_kernel(kernel)
+    try:
+        layer.method.process_after_loading(layer)
+        x = torch.randn(1, 128, generator=g, device=device)
+        got = layer(x)
+    finally:
+        exl3_method.unregister_layer_kernel("test-fast")
+    groups = layer.exl3_layer_kernel[1].groups
+    assert [len(gr.parts) if isinstance(gr, exl3_fast.EXL3Fused) else 0 for gr in groups] == [2, 0, 1]
+    want = torch.cat([forward_reference(p, x) for p in layer.exl3_parts], dim=-1)
+    _ok(compare("exl3_fast layer", "x=1", got, want, quant_tolerance(torch.float32, True), torch.float32))
+
+
+def test_fast_several_row_blocks_and_dispatch(device):
+    w = qt.exl3_weight(128, 256, 2, "3inst", device, seed=9)
+    f = exl3_fast.fuse([w])
+    _check_fast(f, 40, FastConfig(tk=8, tn=8, block_m=16))  # 3 row blocks, the last partial
+    d = exl3_fast.FastDispatch(gemv_max_rows=4)
+    assert exl3_fast.choose_config(1, d) is d.one_row
+    assert exl3_fast.choose_config(4, d) is d.gemv and exl3_fast.choose_config(5, d) is d.gemm
+    assert exl3_fast.group_size(4) == 8 and exl3_fast.group_size(5) == 4 and exl3_fast.group_size(7) == 2
+
+
+def test_fast_reconstruct_path_merged_parts_in_column_slices(device):
+    # Prefill's path: decode Wq to fp16 in slices of 128 columns (so the 256-wide part takes
+    # two, the others one each), cuBLAS per part on its own input signs, the fused output
+    # transform; against the reference, and the slice decode bit-exact against the whole.
+    parts = [qt.exl3_weight(200, o, 4, "mul1", device, seed=o, bias=True) for o in (256, 100, 130)]
+    f = exl3_fast.fuse(parts)
+    d = exl3_fast.FastDispatch(reconstruct_min_rows=4, reconstruct_cols=128)
+    x = torch.randn(6, 200, generator=torch.Generator().manual_seed(3)).to(f.trellis.device)
+    got = exl3_fast.fast_matmul(f, x, dispatch=d)
+    want = torch.cat([forward_reference(p, x) for p in parts], dim=-1)
+    _ok(compare("exl3_fast reconstruct path", "x=6", got, want, quant_tolerance(torch.float32, True), torch.float32))
+    whole = exl3_fast.fast_reconstruct(f)
+    assert torch.equal(exl3_fast.fast_reconstruct(f, cols=(8, 24)), whole[:, 8 * 16:24 * 16])

@@ -59,6 +59,12 @@ def trellis_words(w: EXL3Weight) -> torch.Tensor:
     return w.trellis.view(torch.int32)
 
 
+def tile_stride(w: EXL3Weight) -> int:
+    """Tiles from one tile row of the trellis to the next: out_p/16, or more where the
+    trellis is a column slice of a merged layer's (exl3_fast.fuse keeps the parts as views)."""
+    return w.trellis.stride(0) // w.trellis.shape[2]
+
+
 # ---- decode helpers (jit) ----------------------------------------------------------------
 
 @triton.jit
@@ -167,7 +173,8 @@ def _decode(I: tl.constexpr, K: tl.constexpr, CB: tl.constexpr, prev, w0, w1, w2
 def _reconstruct_kernel(w_ptr, out_ptr, TI, TJ, tj0, n_tiles, stride_o,
                         K: tl.constexpr, CB: tl.constexpr, TK: tl.constexpr, TN: tl.constexpr):
     """Wq[:, 16 tj0 : 16 (tj0 + n_tiles)] as fp16, row-major: one program per TK x TN tiles
-    (TJ: the trellis' tile columns, for addressing)."""
+    (TJ: tiles from one tile row to the next, for addressing; more than the trellis' tile
+    columns when it is a view of a merged layer's, exl3_fast.fuse)."""
     tk = tl.program_id(1) * TK + tl.arange(0, TK)
     tn = tl.program_id(0) * TN + tl.arange(0, TN)  # relative to tj0
     mask = (tk[:, None] < TI) & (tn[None, :] < n_tiles)
@@ -200,7 +207,7 @@ def exl3_reconstruct(w: EXL3Weight, col_tiles: tuple[int, int] | None = None,
         raise ValueError(f"out must be fp16 [{ti * 16}, {cols}] with unit column stride")
     tk_blk, tn_blk, warps = (block.tk, block.tn, block.warps) if block is not None else (4, 8, 4)
     grid = (triton.cdiv(t1 - t0, tn_blk), triton.cdiv(ti, tk_blk))
-    _reconstruct_kernel[grid](trellis_words(w), out, ti, tj_all, t0, t1 - t0, out.stride(0),
+    _reconstruct_kernel[grid](trellis_words(w), out, ti, tile_stride(w), t0, t1 - t0, out.stride(0),
                               K=k, CB=CODEBOOK_IDS[w.codebook], TK=tk_blk, TN=tn_blk, num_warps=warps)
     return out
 
@@ -297,3 +304,42 @@ def exl3_output_transform_ref(w: EXL3Weight, partials: torch.Tensor, dtype: torc
     if w.bias is not None:
         y = y + w.bias.float()
     return y.to(dtype)
+
+
+# ---- the same for all parts of a merged layer at once (exl3_fast.EXL3Fused) ---------------------
+
+@triton.jit(do_not_specialize=["M", "n_in"])
+def _in_kernel(x_ptr, suh_ptr, out_ptr, M, n_in, in_p, stride_x, BM: tl.constexpr):
+    """out[part, m, :] = had_r_128(pad(x[m]) * suh[part]). Grid: (row blocks, in_p / 128, parts)."""
+    part = tl.program_id(2)
+    rows = tl.program_id(0) * BM + tl.arange(0, BM)
+    cols = tl.program_id(1) * 128 + tl.arange(0, 128)
+    x = tl.load(x_ptr + rows[:, None].to(tl.int64) * stride_x + cols[None, :],
+                mask=(rows[:, None] < M) & (cols[None, :] < n_in), other=0.0).to(tl.float32)
+    x = x * tl.load(suh_ptr + part * in_p + cols).to(tl.float32)[None, :]
+    y = tl.dot(x, _hadamard_signs(), input_precision="ieee") * 0.08838834764831845
+    out = out_ptr + (part * M).to(tl.int64) * in_p + rows[:, None].to(tl.int64) * in_p + cols[None, :]
+    tl.store(out, y.to(out_ptr.dtype.element_ty), mask=rows[:, None] < M)
+
+
+@triton.jit(do_not_specialize=["M", "splits"])
+def _out_kernel(p_ptr, svh_ptr, bias_ptr, dest_ptr, ncols_ptr, out_ptr, M, NP, splits, stride_o,
+                BM: tl.constexpr, HAS_BIAS: tl.constexpr):
+    """Sum the splits, Hadamard, * svh, + bias, and write 128-column block b's first
+    ncols[b] columns at output column dest[b]. Grid: (row blocks, NP / 128)."""
+    rows = tl.program_id(0) * BM + tl.arange(0, BM)
+    blk = tl.program_id(1)
+    j = tl.arange(0, 128)
+    rmask = rows[:, None] < M
+    offs = rows[:, None].to(tl.int64) * NP + blk * 128 + j[None, :]
+    acc = tl.zeros((BM, 128), tl.float32)
+    for s in range(splits):
+        acc += tl.load(p_ptr + s * M * NP + offs, mask=rmask, other=0.0)
+    y = tl.dot(acc, _hadamard_signs(), input_precision="ieee") * 0.08838834764831845
+    y = y * tl.load(svh_ptr + blk * 128 + j).to(tl.float32)[None, :]
+    dest = tl.load(dest_ptr + blk) + j
+    cmask = j < tl.load(ncols_ptr + blk)
+    if HAS_BIAS:
+        y = y + tl.load(bias_ptr + dest, mask=cmask, other=0.0).to(tl.float32)[None, :]
+    tl.store(out_ptr + rows[:, None].to(tl.int64) * stride_o + dest[None, :], y.to(out_ptr.dtype.element_ty),
+             mask=rmask & cmask[None, :])

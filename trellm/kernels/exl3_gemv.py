@@ -29,7 +29,8 @@ import torch
 
 from trellm.kernels._triton import tl, triton
 from trellm.kernels.exl3_decode import (CODEBOOK_IDS, _decode, _group_words, _integer_bits, exl3_input_transform,
-                                        exl3_output_transform, exl3_reconstruct, kernel_bits, trellis_words)
+                                        exl3_output_transform, exl3_reconstruct, kernel_bits, tile_stride,
+                                        trellis_words)
 from trellm.kernels.paged_attention import _num_sms
 from trellm.quant.exl3.reference import forward_reference
 from trellm.quant.exl3.weight import EXL3Weight
@@ -82,7 +83,7 @@ def get_dispatch() -> Dispatch:
 # M and the split length change with the batch and the layer: not specialized on, so one
 # compiled kernel per (K, codebook, block sizes) serves every call.
 @triton.jit(do_not_specialize=["M", "steps_per_split"])
-def _gemv_kernel(x_ptr, w_ptr, part_ptr, M, TI, TJ, out_p, steps_per_split, stride_x,
+def _gemv_kernel(x_ptr, w_ptr, part_ptr, M, TI, TJ, TJS, out_p, steps_per_split, stride_x,
                  K: tl.constexpr, CB: tl.constexpr, BM: tl.constexpr, TK: tl.constexpr, TN: tl.constexpr):
     """partial[split, m, :] = xh[m, rows of the split] @ Wq[those rows, the program's columns]."""
     pid_n = tl.program_id(0)
@@ -97,7 +98,7 @@ def _gemv_kernel(x_ptr, w_ptr, part_ptr, M, TI, TJ, out_p, steps_per_split, stri
         tk = step * TK + tl.arange(0, TK)
         tmask = tk < TI
         mask = tmask[:, None] & (tn[None, :] < TJ)
-        tile = (tk[:, None].to(tl.int64) * TJ + tn[None, :]) * (8 * K)
+        tile = (tk[:, None].to(tl.int64) * TJS + tn[None, :]) * (8 * K)  # TJS: tile row stride
         prev, w0, w1, w2, w3, w4, w5, w6, w7 = _group_words(w_ptr, tile, mask, K)
         x_row = x_ptr + m[:, None].to(tl.int64) * stride_x + tk[None, :] * 16
         xmask = mmask[:, None] & tmask[None, :]
@@ -137,7 +138,8 @@ def exl3_gemv(w: EXL3Weight, xh: torch.Tensor, cfg: BlockConfig | None = None) -
     blocks = triton.cdiv(tj, cfg.tn)
     splits, per = _splits(steps, blocks, xh.device)
     part = torch.empty(splits, m, w.padded_out, dtype=torch.float32, device=xh.device)
-    _gemv_kernel[(blocks, splits)](xh, trellis_words(w), part, m, ti, tj, w.padded_out, per, xh.stride(0),
+    _gemv_kernel[(blocks, splits)](xh, trellis_words(w), part, m, ti, tj, tile_stride(w), w.padded_out, per,
+                                   xh.stride(0),
                                    K=_integer_bits(w), CB=CODEBOOK_IDS[w.codebook], BM=_pow2(m),
                                    TK=cfg.tk, TN=cfg.tn, num_warps=cfg.warps)
     return part
@@ -146,7 +148,7 @@ def exl3_gemv(w: EXL3Weight, xh: torch.Tensor, cfg: BlockConfig | None = None) -
 # ---- GEMM: tl.dot per decode step --------------------------------------------------------
 
 @triton.jit(do_not_specialize=["M", "steps_per_split"])
-def _gemm_kernel(x_ptr, w_ptr, part_ptr, M, TI, TJ, out_p, steps_per_split, stride_x,
+def _gemm_kernel(x_ptr, w_ptr, part_ptr, M, TI, TJ, TJS, out_p, steps_per_split, stride_x,
                  K: tl.constexpr, CB: tl.constexpr, BM: tl.constexpr, TK: tl.constexpr, TN: tl.constexpr):
     """As _gemv_kernel for BM rows per program (grid axis 2), with one [BM, TK] x [TK, TN*8]
     fp16 dot per decode step. TK >= 16 (tl.dot's K)."""
@@ -161,7 +163,7 @@ def _gemm_kernel(x_ptr, w_ptr, part_ptr, M, TI, TJ, out_p, steps_per_split, stri
         tk = step * TK + tl.arange(0, TK)
         tmask = tk < TI
         mask = tmask[:, None] & (tn[None, :] < TJ)
-        tile = (tk[:, None].to(tl.int64) * TJ + tn[None, :]) * (8 * K)
+        tile = (tk[:, None].to(tl.int64) * TJS + tn[None, :]) * (8 * K)  # TJS: tile row stride
         prev, w0, w1, w2, w3, w4, w5, w6, w7 = _group_words(w_ptr, tile, mask, K)
         x_row = x_ptr + m[:, None].to(tl.int64) * stride_x + tk[None, :] * 16
         xmask = mmask[:, None] & tmask[None, :]
@@ -195,7 +197,8 @@ def exl3_gemm(w: EXL3Weight, xh: torch.Tensor, cfg: BlockConfig | None = None, b
     splits, per = _splits(steps, blocks, xh.device)
     part = torch.empty(splits, m, w.padded_out, dtype=torch.float32, device=xh.device)
     grid = (triton.cdiv(tj, cfg.tn), splits, triton.cdiv(m, bm))
-    _gemm_kernel[grid](xh, trellis_words(w), part, m, ti, tj, w.padded_out, per, xh.stride(0),
+    _gemm_kernel[grid](xh, trellis_words(w), part, m, ti, tj, tile_stride(w), w.padded_out, per,
+                       xh.stride(0),
                        K=_integer_bits(w), CB=CODEBOOK_IDS[w.codebook], BM=bm, TK=cfg.tk, TN=cfg.tn,
                        num_warps=cfg.warps)
     return part

@@ -6,13 +6,16 @@ names, so every loader and MergedLinear's shards work unchanged), then
 ``q = round(w / scale)`` in -127..127 (symmetric: no zero point), and drops the dense
 weight. Decode reads 1 byte per weight instead of 2 (bf16).
 
-Forward: on CUDA with Triton, ``trellm/kernels/int8_gemv.py`` (a Triton kernel for
-small batches, dequantize + cuBLAS for large ones); on the CPU
+Forward: on CUDA with Triton, ``trellm/kernels/int8_gemv.py`` (Triton kernels for every
+batch size, int8 tiles widened in registers, never a dequantized weight); the first
+layer of each weight shape times the kernel configs on the device while the model
+loads (``Int8Dispatch.calibrate``) and keeps the fastest per row count. On the CPU
 ``torch._weight_int8pack_mm`` where it exists; else the pure-PyTorch reference
 ``int8_linear_ref`` (the definition, in float32, beside the kernel). The LM head stays dense.
 """
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
 
 import torch
@@ -21,6 +24,7 @@ from trellm.kernels.int8_gemv import int8_linear_ref
 from trellm.quant.base import LinearMethod, UnquantizedLinearMethod
 
 QMAX = 127
+log = logging.getLogger("trellm")
 
 
 @dataclass(frozen=True)
@@ -67,6 +71,8 @@ class Int8LinearMethod(LinearMethod):
         layer.register_buffer("weight_scale", scale, persistent=False)
         bias = layer.bias.detach() if layer.bias is not None else None
         layer.int8 = Int8Weight(q, scale, bias)
+        if q.is_cuda and _cuda_kernels():
+            _prepare_cuda(q, scale)
 
     def apply(self, layer, x):
         return int8_forward(layer.int8, x)
@@ -85,6 +91,23 @@ def int8_forward(w: Int8Weight, x: torch.Tensor) -> torch.Tensor:
             y = y + w.bias
         return y.reshape(*x.shape[:-1], w.q.shape[0])
     return int8_linear_ref(x, w.q, w.scale, w.bias)
+
+
+def _prepare_cuda(q: torch.Tensor, scale: torch.Tensor) -> None:
+    """Load time, before any CUDA graph: the split-K counters, and the kernel configs
+    timed on a new weight shape. A failure leaves the shape-based defaults."""
+    from trellm.kernels import int8_gemv
+
+    int8_gemv.prepare(q.device)
+    dispatch = int8_gemv.get_dispatch()
+    if not dispatch.calibrate_on_load or dispatch.has_shape(*q.shape):
+        return
+    try:
+        dispatch.calibrate([(q, scale)])
+    except Exception as e:  # noqa: BLE001 -- timing is an optimization; the defaults still run
+        log.warning("int8 kernel calibration failed for %s (%s); using default configs",
+                    tuple(q.shape), str(e).splitlines()[0] if str(e) else type(e).__name__)
+        dispatch.mark_shape(*q.shape)
 
 
 _CPU_DTYPES = (torch.float32, torch.bfloat16)

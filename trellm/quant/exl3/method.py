@@ -9,15 +9,20 @@ and the smaller ones (k/v of a GQA model) may be padded to 128 columns. A future
 kernel may still fuse them (one launch over several parts); the layout leaves that
 open since the parts are a list in output order.
 
-Forward: the first registered kernel (``register_kernel``) that says it supports a
-part and an input runs it; else the pure-PyTorch reference (``reference.py``),
-which is the CPU path. The Triton kernels (trellm/kernels/exl3_gemv.py) register
-themselves below; they take CUDA tensors of integer-K parts only.
+Forward: a layer kernel (``register_layer_kernel``) may take the whole layer: at load
+time its ``prepare`` gets the parts and returns its own state (or None to decline),
+and the parts are replaced by the state's (trellm/kernels/exl3_fast.py concatenates
+the trellises of parts that share K and codebook, the parts keep views, and runs the
+layer in 2-3 launches). Otherwise, per part, the first registered kernel
+(``register_kernel``) that says it supports a part and an input runs it; else the
+pure-PyTorch reference (``reference.py``), which is the CPU path. The Triton kernels
+(trellm/kernels/exl3_gemv.py, exl3_fast.py) register themselves below; they take
+CUDA tensors of integer-K parts only.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Callable
+from typing import Any, Callable
 
 import torch
 import torch.nn.functional as F
@@ -63,6 +68,41 @@ class EXL3Kernel:
     """(part, x) -> whether ``run`` handles it (device, K, codebook, rows, ...)."""
     run: Callable[[EXL3Weight, torch.Tensor], torch.Tensor]
     """(part, x [..., in]) -> y [..., out_features] in x.dtype, bias included."""
+
+
+@dataclass(frozen=True)
+class EXL3LayerKernel:
+    """A kernel for all the parts of a (merged) layer at once."""
+
+    name: str
+    prepare: Callable[[list[EXL3Weight]], Any]
+    """(parts) at load time -> a state with a ``parts`` attribute (the parts to keep, e.g.
+    views into a fused trellis), or None to leave the layer to the per-part kernels."""
+    supports: Callable[[Any, torch.Tensor], bool]
+    """(state, x) -> whether ``run`` handles x; asked per forward, so cheap."""
+    run: Callable[[Any, torch.Tensor], torch.Tensor]
+    """(state, x [..., in]) -> y [..., out_features] (all parts, bias included)."""
+
+
+_LAYER_KERNELS: list[EXL3LayerKernel] = []
+"""Registered layer kernels, most recently registered first."""
+
+
+def register_layer_kernel(kernel: EXL3LayerKernel) -> None:
+    _LAYER_KERNELS.insert(0, kernel)
+
+
+def unregister_layer_kernel(name: str) -> None:
+    _LAYER_KERNELS[:] = [k for k in _LAYER_KERNELS if k.name != name]
+
+
+def prepare_layer_kernel(parts: list[EXL3Weight]) -> tuple[EXL3LayerKernel, Any] | None:
+    """The first layer kernel that takes these parts, with its state."""
+    for kernel in _LAYER_KERNELS:
+        state = kernel.prepare(parts)
+        if state is not None:
+            return kernel, state
+    return None
 
 
 _KERNELS: list[EXL3Kernel] = []
@@ -119,6 +159,7 @@ class EXL3LinearMethod(LinearMethod):
         layer.exl3_device = torch.empty(0).device  # the device the model is being built on
         layer.exl3_staging = {}
         layer.exl3_parts = []
+        layer.exl3_layer_kernel = None
         layer.bias = None
 
     def checkpoint_names(self, layer):
@@ -155,8 +196,11 @@ class EXL3LinearMethod(LinearMethod):
             parts.append(part.to(layer.exl3_device))
         if self.dense:
             self._densify(layer, parts)
-        else:
-            layer.exl3_parts = parts
+            return
+        layer.exl3_layer_kernel = prepare_layer_kernel(parts)
+        if layer.exl3_layer_kernel is not None:
+            parts = list(layer.exl3_layer_kernel[1].parts)  # e.g. views of a fused trellis
+        layer.exl3_parts = parts
 
     @staticmethod
     def _densify(layer, parts: list[EXL3Weight]) -> None:
@@ -169,6 +213,9 @@ class EXL3LinearMethod(LinearMethod):
     def apply(self, layer, x):
         if self.dense:
             return F.linear(x, layer.weight, layer.bias)
+        prepared = getattr(layer, "exl3_layer_kernel", None)
+        if prepared is not None and prepared[0].supports(prepared[1], x):
+            return prepared[0].run(prepared[1], x)
         ys = [select_kernel(p, x)(p, x) for p in layer.exl3_parts]
         return ys[0] if len(ys) == 1 else torch.cat(ys, dim=-1)
 
@@ -182,9 +229,10 @@ class EXL3DenseLinearMethod(EXL3LinearMethod):
 
 def _register_triton_kernels() -> None:
     # Importing the module needs no GPU (nor Triton): its kernels decline CPU inputs.
-    from trellm.kernels import exl3_gemv
+    from trellm.kernels import exl3_fast, exl3_gemv
 
     exl3_gemv.register()
+    exl3_fast.register()
 
 
 _register_triton_kernels()
