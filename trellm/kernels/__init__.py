@@ -2,7 +2,7 @@
 
 | op | kernel | reference |
 | --- | --- | --- |
-| paged attention, decode (split-K + reduce) | ``paged_attention.paged_decode`` | ``paged_decode_ref`` |
+| paged attention, decode (split-K, combined in-kernel or by a reduce) | ``paged_attention.paged_decode`` | ``paged_decode_ref`` |
 | paged attention, varlen prefill over the cache | ``paged_attention.paged_prefill`` | ``paged_prefill_ref`` |
 | residual add + RMSNorm | ``rmsnorm.fused_add_rms_norm`` | ``fused_add_rms_norm_ref`` |
 | RMSNorm | ``rmsnorm.rms_norm`` | ``rms_norm_ref`` |
