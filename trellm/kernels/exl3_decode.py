@@ -156,15 +156,22 @@ def _decode(I: tl.constexpr, K: tl.constexpr, CB: tl.constexpr, prev, w0, w1, w2
         h = (total + 0x6400).to(tl.uint16).to(tl.float16, bitcast=True)
         v = (h.to(tl.float32) * 0.00676727294921875 - 10.3828125).to(tl.float16)
     else:  # 3inst / mcg: the masked word's two fp16 halves, summed
-        if CB == 0:
-            x = s * 89226354 + 64248484
-        else:
-            x = s * 0xCBAC1FED
-        x = (x & 0x8FFF8FFF) ^ 0x3B603B60
-        lo = x.to(tl.uint16).to(tl.float16, bitcast=True)
-        hi = (x >> 16).to(tl.uint16).to(tl.float16, bitcast=True)
-        v = lo + hi
+        v = _inst_value(s, CB)
     return v
+
+
+@triton.jit
+def _inst_value(s, CB: tl.constexpr):
+    """3INST (CB 0) / MCG (CB 1): 16-bit states -> fp16, the masked LCG word's two fp16
+    halves summed in fp16 (exact sum, one rounding); shared with exl3_fast."""
+    if CB == 0:
+        x = s * 89226354 + 64248484
+    else:
+        x = s * 0xCBAC1FED
+    x = (x & 0x8FFF8FFF) ^ 0x3B603B60
+    lo = x.to(tl.uint16).to(tl.float16, bitcast=True)
+    hi = (x >> 16).to(tl.uint16).to(tl.float16, bitcast=True)
+    return lo + hi
 
 
 # ---- reconstruct --------------------------------------------------------------------------

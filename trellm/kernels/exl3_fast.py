@@ -49,7 +49,7 @@ from dataclasses import dataclass
 import torch
 
 from trellm.kernels._triton import tl, triton
-from trellm.kernels.exl3_decode import CODEBOOK_IDS, _in_kernel, _out_kernel, kernel_bits
+from trellm.kernels.exl3_decode import CODEBOOK_IDS, _in_kernel, _inst_value, _out_kernel, kernel_bits
 from trellm.kernels.paged_attention import _num_sms
 from trellm.quant.exl3.hadamard import HAD_SIZE
 from trellm.quant.exl3.weight import EXL3Weight
@@ -172,14 +172,7 @@ def _codebook(s, CB: tl.constexpr, ASM: tl.constexpr):
             f = ((pairs * 0x10001) >> 16) + 0x4B000000
         v = ((f.to(tl.float32, bitcast=True) - 8388608.0) * 0.00676727294921875 - 3.453125).to(tl.float16)
     else:
-        if CB == 0:
-            x = s * 89226354 + 64248484
-        else:
-            x = s * 0xCBAC1FED
-        x = (x & 0x8FFF8FFF) ^ 0x3B603B60
-        lo = x.to(tl.uint16).to(tl.float16, bitcast=True)
-        hi = (x >> 16).to(tl.uint16).to(tl.float16, bitcast=True)
-        v = lo + hi
+        v = _inst_value(s, CB)
     return v
 
 
