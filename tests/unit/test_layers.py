@@ -66,3 +66,24 @@ def test_unmasked_equal_length_decode_equals_masked():
     masked = paged_decode_reference(q, kv, table, lens, 10, 0.3, decode_mask(lens, 10))
     unmasked = paged_decode_reference(q, kv, table, lens, 10, 0.3, None, masked=False)
     torch.testing.assert_close(unmasked, masked, rtol=1e-6, atol=1e-6)
+
+
+def test_paged_decode_gather_equals_per_sequence_attention():
+    """The flat-row gather (K rows then V rows of a [2 blocks, ...] view), shared by a
+    step's layers through the DecodeGroup, against plain per-sequence softmax attention."""
+    kv, bs = _pool(), 4
+    q = torch.randn(3, 6, 8)
+    table = torch.tensor([[0, 7, 2], [5, 1, 0], [11, 0, 0]])
+    lens = torch.tensor([10, 6, 3])
+    group = DecodeGroup(token_index=torch.arange(3), block_table=table, seq_lens=lens, max_seq_len=10,
+                        attn_mask=decode_mask(lens, 10))
+    for layer_kv in (kv, kv.flip(1).contiguous()):  # two layers' pools, one set of gather rows
+        got = paged_decode_reference(q, layer_kv, table, lens, 10, 0.3, group.attn_mask, group=group)
+        for b in range(3):
+            keys = layer_kv[0, table[b]].reshape(-1, 2, 8)[: lens[b]]  # [L, Hk, D]
+            vals = layer_kv[1, table[b]].reshape(-1, 2, 8)[: lens[b]]
+            kh = keys.repeat_interleave(3, dim=1)  # 6 query heads over 2 KV heads
+            vh = vals.repeat_interleave(3, dim=1)
+            probs = torch.softmax(torch.einsum("hd,lhd->hl", q[b], kh) * 0.3, dim=-1)
+            torch.testing.assert_close(got[b], torch.einsum("hl,lhd->hd", probs, vh), rtol=1e-5, atol=1e-6)
+    assert group.kv_rows is not None and group.kv_rows.shape == (2 * 3 * 3,)

@@ -29,6 +29,15 @@ class DecodeGroup:
     contiguous_start: int | None = None
     """First block id when there is one sequence and its blocks are consecutive ids:
     its K/V is then a view of the pool, with no gather (the common single-stream case)."""
+    kv_rows: torch.Tensor | None = None
+    """[2 B nblk] the gather's rows of the pool viewed as [2 num_blocks, block]: the K rows,
+    then the V rows. Built by the first layer of a step (``gather_rows``), reused by the rest."""
+
+    def gather_rows(self, nblk: int, kv_cache: torch.Tensor) -> torch.Tensor:
+        # Every layer's pool has the same shape, so the first layer's rows serve them all.
+        if self.kv_rows is None:
+            self.kv_rows = gather_rows(self.block_table, nblk, kv_cache.shape[1])
+        return self.kv_rows
 
 
 @dataclass
@@ -99,13 +108,20 @@ def write_kv(kv_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slots: to
 def _decode(q: torch.Tensor, kv_cache: torch.Tensor, d: DecodeGroup, scale: float) -> torch.Tensor:
     if d.contiguous_start is None:
         return paged_decode_reference(q, kv_cache, d.block_table, d.seq_lens, d.max_seq_len, scale,
-                                      d.attn_mask, masked=d.attn_mask is not None)
+                                      d.attn_mask, masked=d.attn_mask is not None, group=d)
     # One sequence on consecutive blocks: attend over a view of the pool (no copy, no mask).
     bs, hk, dim = kv_cache.shape[2], kv_cache.shape[3], kv_cache.shape[4]
     nblk = (d.max_seq_len + bs - 1) // bs
     kv = kv_cache[:, d.contiguous_start:d.contiguous_start + nblk].reshape(2, 1, nblk * bs, hk, dim)
     kv = kv[:, :, :d.max_seq_len].transpose(2, 3)
     return _sdpa_decode(q, kv[0], kv[1], None, scale)
+
+
+def gather_rows(block_table: torch.Tensor, nblk: int, num_blocks: int) -> torch.Tensor:
+    """Rows of the pool viewed as [2 num_blocks, ...] holding the first nblk blocks of
+    every sequence: all K rows, then all V rows."""
+    table = block_table[:, :nblk].reshape(-1)
+    return torch.cat((table, table + num_blocks))
 
 
 def decode_mask(seq_lens: torch.Tensor, max_seq_len: int) -> torch.Tensor:
@@ -115,16 +131,20 @@ def decode_mask(seq_lens: torch.Tensor, max_seq_len: int) -> torch.Tensor:
 
 def paged_decode_reference(q: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.Tensor,
                            seq_lens: torch.Tensor, max_seq_len: int, scale: float,
-                           mask: torch.Tensor | None = None, masked: bool = True) -> torch.Tensor:
+                           mask: torch.Tensor | None = None, masked: bool = True,
+                           group: DecodeGroup | None = None) -> torch.Tensor:
     """One query token per sequence over its paged context. q: [B, Hq, D].
-    ``masked=False`` promises every sequence is max_seq_len long (nothing to mask)."""
+    ``masked=False`` promises every sequence is max_seq_len long (nothing to mask).
+    ``group``: the step's DecodeGroup, whose gather rows the layers share."""
     bsz, _, d = q.shape
     bs, hk = kv_cache.shape[2], kv_cache.shape[3]
     nblk = (max_seq_len + bs - 1) // bs
-    table = block_table[:, :nblk].reshape(-1)
-    # One gather for K and V (index_select beats advanced indexing on the CPU):
-    # [2, B*nblk, bs, Hk, D] -> [2, B, Hk, L, D]
-    kv = kv_cache.index_select(1, table).reshape(2, bsz, nblk * bs, hk, d)[:, :, :max_seq_len].transpose(2, 3)
+    rows = gather_rows(block_table, nblk, kv_cache.shape[1]) if group is None else group.gather_rows(nblk, kv_cache)
+    # One gather for K and V, along dim 0 of a 2-D view: index_select's contiguous-row
+    # path, ~3x faster on the CPU than along the pool's block dim (dim 1 of 5).
+    # [2 B nblk, bs Hk D] -> [2, B, Hk, L, D]
+    flat = kv_cache.view(2 * kv_cache.shape[1], -1)
+    kv = flat.index_select(0, rows).view(2, bsz, nblk * bs, hk, d)[:, :, :max_seq_len].transpose(2, 3)
     if mask is None and masked:
         mask = decode_mask(seq_lens, max_seq_len)
     return _sdpa_decode(q, kv[0], kv[1], mask, scale)
@@ -134,6 +154,8 @@ def _sdpa_decode(q: torch.Tensor, keys: torch.Tensor, vals: torch.Tensor, mask: 
                  scale: float) -> torch.Tensor:
     """q: [B, Hq, D]; keys, vals: [B, Hk, L, D]."""
     # CPU SDPA is slow in bf16/fp16 (no native units here): attend in float32 there.
+    # (Two hand-written bmm calls are faster only on contiguous K/V; the gathered K/V
+    # are strided, and copying them costs more than SDPA saves.)
     cdt = torch.float32 if q.device.type == "cpu" else q.dtype
     out = F.scaled_dot_product_attention(
         q.unsqueeze(2).to(cdt), keys.to(cdt), vals.to(cdt), attn_mask=mask,

@@ -77,10 +77,10 @@ class RotaryEmbedding(torch.nn.Module):
         (fused kernels index them by position themselves)."""
         if self._cache is None or self._cache[0].device != device:
             t = torch.arange(self.max_positions, dtype=torch.float32, device=device)
-            freqs = torch.outer(t, self.inv_freq.to(device))
+            cos, sin = _cos_sin(torch.outer(t, self.inv_freq.to(device)))
             # sin with the first half negated: rotate_half(x) * sin == roll(x, D/2) * this,
             # exactly (a sign flip commutes with rounding), in one op instead of four.
-            self._cache = (torch.cat((freqs, freqs), dim=-1).cos(), torch.cat((-freqs.sin(), freqs.sin()), dim=-1))
+            self._cache = (torch.cat((cos, cos), dim=-1), torch.cat((-sin, sin), dim=-1))
         return self._cache
 
     def cos_sin(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
@@ -120,11 +120,19 @@ class RotaryEmbedding(torch.nn.Module):
         return qk[:, :hq], qk[:, hq:]
 
 
+def _cos_sin(freqs: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos and sin of float32 angles, through float64: the correctly rounded float32 values.
+    In float32 the CPU's tables changed from run to run (an element's cos at ~500 rad
+    moved by up to 3e-4 between processes: which vector or scalar path takes an element
+    depends on the tensor's alignment), and a test of bit-identical RoPE with them."""
+    f = freqs.double()
+    return f.cos().float(), f.sin().float()
+
+
 def rope_reference(x: torch.Tensor, positions: torch.Tensor, inv_freq: torch.Tensor) -> torch.Tensor:
     """transformers' rotate-half RoPE on x [T, H, D] (float32 tables): the test oracle."""
-    freqs = torch.outer(positions.float(), inv_freq)
-    emb = torch.cat((freqs, freqs), dim=-1)
-    cos, sin = emb.cos()[:, None, :], emb.sin()[:, None, :]
+    cos, sin = _cos_sin(torch.outer(positions.float(), inv_freq))
+    cos, sin = torch.cat((cos, cos), dim=-1)[:, None, :], torch.cat((sin, sin), dim=-1)[:, None, :]
     half = x.shape[-1] // 2
     rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
     return x * cos + rotated * sin
