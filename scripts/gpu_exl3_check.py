@@ -350,10 +350,32 @@ def stage_int8(cfg: dict, device: torch.device, res: dict) -> None:
 
 # ---- stage: engine ---------------------------------------------------------------------------------
 
+ENGINE_FILTER: list[str] = []
+
+
+def set_dispatch_from(one_row: str | None, gemv: str | None) -> None:
+    """The EXL3 dispatch with the named sweep variants in place of the defaults."""
+    if not one_row and not gemv:
+        return
+    from dataclasses import replace
+
+    from gpu_exl3_sweep import VARIANTS
+    from trellm.kernels import exl3_fast
+
+    d = exl3_fast.get_dispatch()
+    if one_row:
+        d = replace(d, one_row=VARIANTS[one_row][0])
+    if gemv:
+        d = replace(d, gemv=VARIANTS[gemv][0])
+    exl3_fast.set_dispatch(d)
+    log(f"EXL3 dispatch: {d}")
+
+
 def _engine_runs() -> list[tuple[str, dict, bool]]:
     """(name, LLM kwargs, whether to measure 32 concurrent too)."""
     runs = [(f"exl3 {k}.0 bpw", {"quantization": "exl3", "bits": float(k)}, k == 4) for k in (2, 3, 4)]
-    return runs + [("int8", {"quantization": "int8"}, False), ("bf16", {"quantization": "none"}, False)]
+    runs += [("int8", {"quantization": "int8"}, False), ("bf16", {"quantization": "none"}, False)]
+    return [r for r in runs if not ENGINE_FILTER or any(f in r[0] for f in ENGINE_FILTER)]
 
 
 def _one_engine(cfg_path: str, device: str, kw: dict, concurrent: bool, smoke: bool) -> dict:
@@ -454,7 +476,13 @@ def main() -> None:
     ap.add_argument("--budget", type=float, default=500.0,
                     help="seconds; a stage (or engine configuration) that would start later is skipped")
     ap.add_argument("--smoke", action="store_true")
+    ap.add_argument("--engines", help="comma-separated substrings of the engine runs to keep, e.g. 'exl3 4,int8'")
+    ap.add_argument("--one-row", help="a scripts/gpu_exl3_sweep.py variant for M = 1 (the dispatch's one_row)")
+    ap.add_argument("--gemv", help="a scripts/gpu_exl3_sweep.py variant for 2..8 rows (the dispatch's gemv)")
     a = ap.parse_args()
+    set_dispatch_from(a.one_row, a.gemv)
+    if a.engines:
+        ENGINE_FILTER.extend(a.engines.split(","))
     os.makedirs(a.out, exist_ok=True)
     OUT["dir"] = a.out
     start = time.perf_counter()

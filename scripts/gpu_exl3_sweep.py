@@ -73,6 +73,18 @@ VARIANTS: dict[str, tuple[FastConfig, tuple[int, ...]]] = {
     "dot-8x4-asm": (FastConfig(tk=8, tn=4, asm=True), (1, 8, 32)),
     "dot-8x4-split": (FastConfig(tk=8, tn=4, split=True), (1, 8, 32)),
     "dot-8x8-split-asm": (FastConfig(tk=8, tn=8, split=True, asm=True), (1, 8, 32)),
+    "fma-8x4-split-asm-pf": (FastConfig(tk=8, tn=4, dot=False, split=True, asm=True, prefetch=True), (1,)),
+    "fma-8x4-split-asm-pf-pps2": (FastConfig(tk=8, tn=4, dot=False, split=True, asm=True, prefetch=True,
+                                             programs_per_sm=2), (1,)),
+    "fma-8x4-split-asm-pf-pps8": (FastConfig(tk=8, tn=4, dot=False, split=True, asm=True, prefetch=True,
+                                             programs_per_sm=8), (1,)),
+    "fma-8x4-split-asm-pps6": (FastConfig(tk=8, tn=4, dot=False, split=True, asm=True, programs_per_sm=6), (1,)),
+    "fma-8x4-split-asm-pps12": (FastConfig(tk=8, tn=4, dot=False, split=True, asm=True, programs_per_sm=12), (1,)),
+    "fma-8x8-split-asm-pf": (FastConfig(tk=8, tn=8, dot=False, split=True, asm=True, prefetch=True), (1,)),
+    "fma-4x8-split-asm-pf": (FastConfig(tk=4, tn=8, dot=False, split=True, asm=True, prefetch=True), (1,)),
+    "fma-8x4-split-asm-pf-w2": (FastConfig(tk=8, tn=4, warps=2, dot=False, split=True, asm=True, prefetch=True,
+                                           programs_per_sm=8), (1,)),
+    "dot-8x8-split-asm-pf": (FastConfig(tk=8, tn=8, split=True, asm=True, prefetch=True), (1, 8, 32)),
     "mm-8x8-bm32": (FastConfig(tk=8, tn=8, block_m=32), (32,)),
     "mm-8x8-bm32-w8": (FastConfig(tk=8, tn=8, warps=8, block_m=32), (32,)),
     "mm-4x8-bm32": (FastConfig(tk=4, tn=8, block_m=32), (32,)),
@@ -85,6 +97,8 @@ SMOKE_SHAPES = {"qkv3": (256, [256, 128, 128]), "o": (256, [256]), "gate_up2": (
                 "down": (384, [256]), "qkv1": (256, [512])}
 SMOKE_VARIANTS = ("fma-8x4", "fma-8x4-split", "dot-8x4", "dot-8x4-had", "dot-8x4-split", "mm-8x8-bm32")
 OUT: dict[str, str] = {}
+FILTER: dict[str, list] = {}
+"""--variants / --combos / --shapes: a shorter run (the defaults: everything above)."""
 
 
 def log(msg: str) -> None:
@@ -97,7 +111,7 @@ def dump(res: dict) -> None:
 
 
 def variants_for(codebook: str, smoke: bool) -> dict[str, tuple[FastConfig, tuple[int, ...]]]:
-    names = SMOKE_VARIANTS if smoke else VARIANTS
+    names = SMOKE_VARIANTS if smoke else (FILTER.get("variants") or VARIANTS)
     # asm only changes MUL1 (dp4a); elsewhere it would compile the same kernel again.
     return {n: VARIANTS[n] for n in names if codebook == "mul1" or not VARIANTS[n][0].asm}
 
@@ -178,7 +192,7 @@ def _check_job(job: tuple) -> list[dict]:
 def step_correctness(smoke: bool, device: torch.device, res: dict, deadline: float) -> set[str]:
     """Runs the checks; returns the variants that failed anywhere."""
     jobs = []
-    for bits, cb in COMBOS if not smoke else COMBOS[:1]:
+    for bits, cb in _combos(smoke):
         names = ["decode", OLD, *variants_for(cb, smoke)]
         jobs += [(bits, cb, n, smoke, str(device)) for n in names]
     workers = max(1, min(len(jobs), 14 if not smoke else 1, (os.cpu_count() or 2) - 1))
@@ -258,6 +272,10 @@ def bench_us(fns: list, device: torch.device, target_s: float = 0.012) -> float:
     return start.elapsed_time(end) * 1000 / (reps * len(fns))
 
 
+def _combos(smoke: bool) -> tuple[tuple[int, str], ...]:
+    return COMBOS[:1] if smoke else tuple(FILTER.get("combos") or COMBOS)
+
+
 def _copies(nbytes: int, smoke: bool) -> int:
     """Enough copies that one pass streams past the L2 (50 MB on an H200)."""
     return 1 if smoke else max(2, min(32, math.ceil((128 << 20) / max(nbytes, 1))))
@@ -297,10 +315,10 @@ def _time_shape(shape: str, bits: int, cb: str, names: list[str], device, smoke:
 def step_timing(smoke: bool, device, res: dict, failed: set[str], deadline: float) -> list[dict]:
     rows: list[dict] = []
     res["timing"] = rows
-    for bits, cb in COMBOS if not smoke else COMBOS[:1]:
+    for bits, cb in _combos(smoke):
         names = [OLD, *[n for n in variants_for(cb, smoke) if n not in failed]]
         # mcg / 3inst: only the layer's shapes (the qkv-as-one comparison is done at mul1).
-        shapes = list(SHAPES) if cb == "mul1" else list(LAYER_SHAPES)
+        shapes = list(SHAPES) if cb == "mul1" and not FILTER.get("layer_only") else list(LAYER_SHAPES)
         for shape in shapes:
             if time.perf_counter() > deadline:
                 log(f"timing: budget spent before K={bits} {cb} {shape}")
@@ -414,9 +432,20 @@ def main() -> None:
     ap.add_argument("--out", default=".")
     ap.add_argument("--budget", type=float, default=230.0, help="seconds for the whole run")
     ap.add_argument("--smoke", action="store_true", help="tiny shapes on the CPU (TRITON_INTERPRET=1)")
+    ap.add_argument("--variants", help="comma-separated variant names (default: all)")
+    ap.add_argument("--combos", help="comma-separated K:codebook, e.g. 4:mul1,2:mul1 (default: all)")
+    ap.add_argument("--layer-only", action="store_true", help="only the shapes of one layer (no qkv as one part)")
     a = ap.parse_args()
     os.makedirs(a.out, exist_ok=True)
     OUT["dir"] = a.out
+    if a.variants:
+        unknown = [n for n in a.variants.split(",") if n not in VARIANTS]
+        if unknown:
+            ap.error(f"unknown variants {unknown}")
+        FILTER["variants"] = a.variants.split(",")
+    if a.combos:
+        FILTER["combos"] = [(int(c.split(":")[0]), c.split(":")[1]) for c in a.combos.split(",")]
+    FILTER["layer_only"] = a.layer_only
     start = time.perf_counter()
     deadline = start + a.budget - (2 if a.smoke else 8)  # the report's seconds
     device = torch.device("cpu" if a.smoke else "cuda")
