@@ -147,9 +147,8 @@ from trellm.kernels.testing import EXACT, compare, quant_tolerance  # noqa: E402
 FAST_ROWS = [
     (1, FastConfig(tk=16, tn=8, dot=False)),  # FMA, uneven K
     (1, FastConfig(tk=8, tn=4, dot=False, split=True)),
-    (1, FastConfig(tk=16, tn=8, dot=False, split=True, prefetch=True)),  # next step's words ahead, uneven K
     (3, FastConfig(tk=8, tn=4)),  # dot, 3 splits of one step
-    (3, FastConfig(tk=8, tn=4, split=True, prefetch=True)),  # one-step splits: the prefetch re-reads its own
+    (3, FastConfig(tk=8, tn=4, split=True)),
     (8, FastConfig(tk=8, tn=8, in_had=True)),  # input Hadamard fused
     (8, FastConfig(tk=16, tn=8, split=True)),
     (16, FastConfig(tk=16, tn=8, block_m=16)),  # uneven K

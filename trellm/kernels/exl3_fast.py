@@ -86,8 +86,6 @@ class FastConfig:
     split: bool = False
     """Skip the reorder of the decoded values to matrix order: G dots / FMAs per step with
     gathered x rows instead (``_split_kernel``; not with in_had; dot needs tk >= 4, tn >= 2)."""
-    prefetch: bool = False
-    """split only: load step n + 1's words before decoding step n (hides DRAM latency)."""
     programs_per_sm: int = 4
     block_m: int = 16
     """Rows per program for the dot (16..64; M above it takes several row blocks)."""
@@ -308,8 +306,7 @@ def _fast_kernel(x_ptr, suh_ptr, had_ptr, w_ptr, tile_part_ptr, out_ptr, M, TI, 
 @triton.jit(do_not_specialize=["M", "per_split"])
 def _split_kernel(x_ptr, w_ptr, tile_part_ptr, out_ptr, M, TI, TJS, NP, per_split, stride_xp, stride_xm,
                   K: tl.constexpr, CB: tl.constexpr, G: tl.constexpr, TK: tl.constexpr, TN: tl.constexpr,
-                  BM: tl.constexpr, DOT: tl.constexpr, EVEN_K: tl.constexpr, ASM: tl.constexpr,
-                  PREFETCH: tl.constexpr):
+                  BM: tl.constexpr, DOT: tl.constexpr, EVEN_K: tl.constexpr, ASM: tl.constexpr):
     """_fast_kernel without reordering the decoded values (``split=True``): weight J of every
     group meets the x rows it belongs to (a gathered load of the transformed x), G dots (or
     FMAs) per step into two accumulators, for the columns with cc3 = 0 and 1 when G = 8."""
@@ -329,19 +326,9 @@ def _split_kernel(x_ptr, w_ptr, tile_part_ptr, out_ptr, M, TI, TJS, NP, per_spli
     else:
         acc0 = tl.zeros((TK * RG, GC), tl.float32)
     acc1 = tl.zeros_like(acc0)
-    lo = pid_s * per_split
-    hi = tl.minimum(lo + per_split, tl.cdiv(TI, TK))
-    if PREFETCH:  # the first step's words; each step then loads the next before it decodes
-        p_next = _step_pairs(w_ptr, lo, TI, TJS, offa, offb, gtk, K, TK, EVEN_K)
-    for step in range(lo, hi):
+    for step in range(pid_s * per_split, tl.minimum((pid_s + 1) * per_split, tl.cdiv(TI, TK))):
         k0 = step * TK
-        if PREFETCH:
-            p = p_next
-            # Clamped, not masked: the last step re-reads its own words (in bounds, unused),
-            # so the next step's DRAM latency hides behind this step's decode.
-            p_next = _step_pairs(w_ptr, tl.minimum(step + 1, hi - 1), TI, TJS, offa, offb, gtk, K, TK, EVEN_K)
-        else:
-            p = _step_pairs(w_ptr, step, TI, TJS, offa, offb, gtk, K, TK, EVEN_K)
+        p = _step_pairs(w_ptr, step, TI, TJS, offa, offb, gtk, K, TK, EVEN_K)
         for J in tl.static_range(G):
             v = _weight(p, sh, J, K, CB, ASM)
             rows = k0 * 16 + rbase + (J % 2) + (8 * ((J // 2) % 2) if G != 2 else 0)
@@ -550,7 +537,7 @@ def fast_partials(f: EXL3Fused, x2: torch.Tensor, cfg: FastConfig) -> torch.Tens
     if cfg.split:
         _split_kernel[(blocks_n, splits, blocks_m)](
             x, f.trellis.view(torch.int32), f.tile_part, out, m, ti, _tile_stride(f.trellis), f.padded_out, per,
-            stride_xp, stride_xm, PREFETCH=cfg.prefetch, **consts)
+            stride_xp, stride_xm, **consts)
         return out
     _fast_kernel[(blocks_n, splits, blocks_m)](
         x, f.suh, f.had, f.trellis.view(torch.int32), f.tile_part, out, m, ti, _tile_stride(f.trellis),
