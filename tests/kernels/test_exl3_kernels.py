@@ -147,6 +147,8 @@ from trellm.kernels.testing import EXACT, compare, quant_tolerance  # noqa: E402
 FAST_ROWS = [
     (1, FastConfig(tk=16, tn=8, dot=False)),  # FMA, uneven K
     (1, FastConfig(tk=8, tn=4, dot=False, split=True)),
+    (1, FastConfig(tk=16, tn=4, dot=False, row=True)),  # exl3_row (G = 8: K <= 4), uneven K
+    (1, FastConfig(tk=8, tn=2, dot=False, row=True)),
     (3, FastConfig(tk=8, tn=4)),  # dot, 3 splits of one step
     (3, FastConfig(tk=8, tn=4, split=True)),
     (8, FastConfig(tk=8, tn=8, in_had=True)),  # input Hadamard fused

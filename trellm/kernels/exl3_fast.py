@@ -86,6 +86,8 @@ class FastConfig:
     split: bool = False
     """Skip the reorder of the decoded values to matrix order: G dots / FMAs per step with
     gathered x rows instead (``_split_kernel``; not with in_had; dot needs tk >= 4, tn >= 2)."""
+    row: bool = False
+    """One row (FMA) only: exl3_row's coalesced kernel where G = 8 (K <= 4), else the split one."""
     programs_per_sm: int = 4
     block_m: int = 16
     """Rows per program for the dot (16..64; M above it takes several row blocks)."""
@@ -531,6 +533,14 @@ def fast_partials(f: EXL3Fused, x2: torch.Tensor, cfg: FastConfig) -> torch.Tens
     per = triton.cdiv(steps, max(1, min(steps, want)))
     splits = triton.cdiv(steps, per)
     out = torch.empty(splits, m, f.padded_out, dtype=torch.float32, device=x2.device)
+    if cfg.row and not cfg.dot and GROUP[f.bits] == 8:
+        from trellm.kernels.exl3_row import _row_kernel
+
+        _row_kernel[(blocks_n, splits)](
+            x, f.trellis.view(torch.int32), f.tile_part, out, ti, _tile_stride(f.trellis), f.padded_out, per,
+            stride_xp, K=f.bits, CB=CODEBOOK_IDS[f.codebook], TK=cfg.tk, TN=cfg.tn, EVEN_K=ti % cfg.tk == 0,
+            ASM=_use_asm(cfg.asm, f.codebook), num_warps=cfg.warps, num_stages=cfg.stages)
+        return out
     consts = dict(K=f.bits, CB=CODEBOOK_IDS[f.codebook], G=GROUP[f.bits], TK=cfg.tk, TN=cfg.tn, BM=bm, DOT=cfg.dot,
                   EVEN_K=ti % cfg.tk == 0, ASM=_use_asm(cfg.asm, f.codebook), num_warps=cfg.warps,
                   num_stages=cfg.stages)

@@ -1,0 +1,78 @@
+"""EXL3 in Triton, part 4: one activation row (decode at batch 1), with coalesced loads.
+
+Why: exl3_fast's split FMA kernel holds its word pairs as [(tk, q), (tn, c0)] tensors,
+and Triton lays those out with a warp's 32 threads down the rows: one load instruction
+then touches 8 tiles (8 cache lines, 16 bytes of each). On an H100 every variant of it
+ran a Llama-3.1-8B layer in ~145-150 us whatever K, block shape, occupancy or prefetch
+(docs/benchmarks/gpu/README.md, 2026-12-05): not bound by DRAM, nor by instruction issue.
+
+Here every tensor is [32, TK, TN]: axis 0 is the 32 groups (mma lanes) of a tile.
+Triton's coalescing pass orders a load's axes by the contiguity it can prove and breaks
+ties by axis number, so axis 0 goes to the warp's 32 threads: a load reads one tile's
+consecutive words (one or two lines); the warps split the tile rows (tk) and each
+thread's registers run over tn, whose tiles share their activations. Groups of G = 8
+weights (K <= 4, where one word pair holds all 8 windows; exl3_fast.GROUP); other K keep
+the split kernel.
+
+Group e of a tile holds sequence positions t = 8 e + J, J < 8: mma lane e, element J,
+so its weight J sits at tile row 8 ((J // 2) % 2) + 2 (e % 4) + J % 2 and column
+8 (J // 4) + e // 4 (exl3_fast's module docstring). Decode and codebook: exl3_fast's.
+"""
+from __future__ import annotations
+
+from trellm.kernels._triton import tl, triton
+from trellm.kernels.exl3_fast import _weight
+
+
+@triton.jit(do_not_specialize=["per_split"])
+def _row_kernel(x_ptr, w_ptr, tile_part_ptr, out_ptr, TI, TJS, NP, per_split, stride_xp,
+                K: tl.constexpr, CB: tl.constexpr, TK: tl.constexpr, TN: tl.constexpr,
+                EVEN_K: tl.constexpr, ASM: tl.constexpr):
+    """out[split, 0, block] = xh[the split's K rows] @ Wq[those rows, block] (float32), one row.
+    Grid: (column blocks of 16 TN, splits). x: the part's transformed x, float32."""
+    pid_n = tl.program_id(0)
+    pid_s = tl.program_id(1)
+    x_ptr += tl.load(tile_part_ptr + pid_n * TN) * stride_xp
+    RING: tl.constexpr = 256 * K
+    e = tl.arange(0, 32)[:, None, None]
+    tk = tl.arange(0, TK)[None, :, None]
+    tn = tl.arange(0, TN)[None, None, :]
+    start = ((8 * e + 1) * K + (RING - 16)) % RING  # first window of each group, ring bits
+    word = start // 32
+    tile = (tk * TJS + pid_n * TN + tn) * (8 * K)
+    offa = tile + word
+    offb = tile + (word + 1) % (8 * K)
+    sh = (48 - start % 32).to(tl.uint64)
+    xrow = 16 * tk + 2 * (e % 4)  # [32, TK, 1]: a group's x row within its tile, less J's part
+    acc0 = tl.zeros((32, TK, TN), tl.float32)  # columns with J < 4 (cc3 = 0)
+    acc1 = tl.zeros((32, TK, TN), tl.float32)  # J >= 4: 8 columns to the right
+    lo = pid_s * per_split
+    for step in range(lo, tl.minimum(lo + per_split, tl.cdiv(TI, TK))):
+        k0 = step * TK
+        wp = w_ptr + k0.to(tl.int64) * TJS * (8 * K)
+        if EVEN_K:
+            a = tl.load(wp + offa)
+            b = tl.load(wp + offb)
+        else:
+            wmask = k0 + tk < TI
+            a = tl.load(wp + offa, mask=wmask, other=0)
+            b = tl.load(wp + offb, mask=wmask, other=0)
+        p = (a.to(tl.uint32, bitcast=True).to(tl.uint64) << 32) | b.to(tl.uint32, bitcast=True).to(tl.uint64)
+        for J in tl.static_range(8):
+            v = _weight(p, sh, J, K, CB, ASM).to(tl.float32)
+            rows = k0 * 16 + xrow + ((J % 2) + 8 * ((J // 2) % 2))
+            if EVEN_K:
+                xv = tl.load(x_ptr + rows)
+            else:  # rows past the weight's: zeros (their weights are masked to zero too)
+                xv = tl.load(x_ptr + rows, mask=rows < TI * 16, other=0.0)
+            if J >= 4:
+                acc1 += xv * v
+            else:
+                acc0 += xv * v
+    # Column 16 tn + 8 cc3 + c0 sums its tile rows (tk) and lanes' q = e % 4 (e = 4 c0 + q).
+    y0 = tl.sum(tl.sum(tl.reshape(acc0, (8, 4, TK, TN)), 2), 1)  # [8 (c0), TN]
+    y1 = tl.sum(tl.sum(tl.reshape(acc1, (8, 4, TK, TN)), 2), 1)
+    cols = pid_n * TN * 16 + 16 * tl.arange(0, TN)[None, :] + tl.arange(0, 8)[:, None]
+    out = out_ptr + pid_s.to(tl.int64) * NP + cols
+    tl.store(out, y0)
+    tl.store(out + 8, y1)
