@@ -12,7 +12,8 @@ ties by axis number, so axis 0 goes to the warp's 32 threads: a load reads one t
 consecutive words (one or two lines); the warps split the tile rows (tk) and each
 thread's registers run over tn, whose tiles share their activations. Groups of G = 8
 weights (K <= 4, where one word pair holds all 8 windows; exl3_fast.GROUP); other K keep
-the split kernel.
+the split kernel. Measured (H100, 2026-12-05): as fast as the split kernel, no faster, so
+coalescing was not what bounds it either; an opt-in variant (FastConfig.row), not the default.
 
 Group e of a tile holds sequence positions t = 8 e + J, J < 8: mma lane e, element J,
 so its weight J sits at tile row 8 ((J // 2) % 2) + 2 (e % 4) + J % 2 and column
