@@ -46,6 +46,8 @@ import torch.nn.functional as F
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
+from gpu_timing import bench_us as _bench_us  # noqa: E402
+
 CODEBOOKS = ("3inst", "mcg", "mul1")
 GPU = dict(shapes=((4096, 4096), (4096, 14336)), bits=tuple(range(1, 9)), codebooks=CODEBOOKS,
            paths={"gemv": (1, 4, 16), "gemm": (16, 64, 256), "reconstruct": (64, 256)},
@@ -88,39 +90,8 @@ def interpreter_patches() -> None:
 # ---- timing ---------------------------------------------------------------------------------
 
 def bench_us(fns: list[Callable[[], object]], device: torch.device) -> float:
-    """GPU time of one call, the calls rotating over ``fns`` (one per weight copy), from
-    CUDA-graph replays (no launch overhead, as in the engine's decode); the CPU (smoke)
-    times one eager pass."""
-    if device.type != "cuda":
-        t0 = time.perf_counter()
-        for f in fns:
-            f()
-        return (time.perf_counter() - t0) * 1e6 / len(fns)
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        for f in fns[:2]:
-            f()  # compiles, cuBLAS workspaces
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for f in fns:
-            f()
-    graph.replay()
-    torch.cuda.synchronize()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    t0 = time.perf_counter()
-    graph.replay()
-    torch.cuda.synchronize()
-    reps = max(3, min(200, int(0.05 / max(time.perf_counter() - t0, 1e-6))))
-    start.record()
-    for _ in range(reps):
-        graph.replay()
-    end.record()
-    torch.cuda.synchronize()
-    us = start.elapsed_time(end) * 1000 / (reps * len(fns))
-    del graph
-    return us
+    """gpu_timing.bench_us replayed for ~50 ms (3 to 200 replays)."""
+    return _bench_us(fns, device, target_s=0.05, min_reps=3, max_reps=200)
 
 
 def copies_for(nbytes: int, cfg: dict) -> int:

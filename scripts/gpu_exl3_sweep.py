@@ -41,6 +41,9 @@ import torch.nn.functional as F
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+from gpu_timing import bench_us  # noqa: E402
 from trellm.kernels.exl3_fast import FastConfig  # noqa: E402
 
 LAYERS = 32
@@ -233,40 +236,6 @@ def _worst(results: list[dict]) -> dict:
 
 
 # ---- step 2: timing ------------------------------------------------------------------------------
-
-def bench_us(fns: list, device: torch.device, target_s: float = 0.012) -> float:
-    """GPU time of one call, the calls rotating over ``fns`` (one per weight copy), from
-    CUDA-graph replays timed with CUDA events; on the CPU (smoke) one eager pass."""
-    if device.type != "cuda":
-        t0 = time.perf_counter()
-        for f in fns:
-            f()
-        return (time.perf_counter() - t0) * 1e6 / len(fns)
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        for f in fns[:2]:
-            f()  # compiles (or loads from the cache), cuBLAS workspaces
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for f in fns:
-            f()
-    graph.replay()
-    torch.cuda.synchronize()
-    t0 = time.perf_counter()
-    graph.replay()
-    torch.cuda.synchronize()
-    reps = max(2, min(100, int(target_s / max(time.perf_counter() - t0, 1e-6))))
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    for _ in range(reps):
-        graph.replay()
-    end.record()
-    torch.cuda.synchronize()
-    del graph
-    return start.elapsed_time(end) * 1000 / (reps * len(fns))
-
 
 def _combos(smoke: bool) -> tuple[tuple[int, str], ...]:
     return COMBOS[:1] if smoke else tuple(FILTER.get("combos") or COMBOS)
