@@ -35,6 +35,10 @@ class DecodeGroup:
 
     def gather_rows(self, nblk: int, kv_cache: torch.Tensor) -> torch.Tensor:
         # Every layer's pool has the same shape, so the first layer's rows serve them all.
+        # Not cached off the CPU: a CUDA graph replays one DecodeGroup with new block
+        # tables, so there the rows must be recomputed inside the captured work.
+        if self.block_table.device.type != "cpu":
+            return gather_rows(self.block_table, nblk, kv_cache.shape[1])
         if self.kv_rows is None:
             self.kv_rows = gather_rows(self.block_table, nblk, kv_cache.shape[1])
         return self.kv_rows
