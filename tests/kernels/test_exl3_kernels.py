@@ -192,6 +192,7 @@ def test_fast_merged_parts_unpadded_bias_dtypes(device):
         _check_fast(f, 5, FastConfig(tk=8, tn=8, in_had=True), dtype, want_parts=parts)
     _check_fast(f, 1, FastConfig(tk=8, tn=2, dot=False), want_parts=parts)
     _check_fast(f, 4, FastConfig(tk=4, tn=4, split=True), torch.bfloat16, want_parts=parts)
+    _check_fast(f, 1, FastConfig(tk=4, tn=2, dot=False, row=True), want_parts=parts)  # part lookup
     # The parts are views of the fused trellis now; the per-part kernels still read them.
     _ok(qt.check_exl3_matmul(f.parts[2], 3, torch.float32, "gemv", BIG))
     _ok(qt.check_exl3_reconstruct(f.parts[1], block=ONE.reconstruct))

@@ -86,4 +86,28 @@ def test_paged_decode_gather_equals_per_sequence_attention():
             vh = vals.repeat_interleave(3, dim=1)
             probs = torch.softmax(torch.einsum("hd,lhd->hl", q[b], kh) * 0.3, dim=-1)
             torch.testing.assert_close(got[b], torch.einsum("hl,lhd->hd", probs, vh), rtol=1e-5, atol=1e-6)
-    assert group.kv_rows is not None and group.kv_rows.shape == (2 * 3 * 3,)
+    assert group.kv_rows is not None and group.kv_rows[2].shape == (2 * 3 * 3,)
+    # A strided pool (no flat view) takes the dim-1 gather: same result.
+    big = torch.stack((kv, kv.flip(1)), dim=1)  # [2, 2 layers, blocks, ...]
+    strided = big[:, 1]
+    assert not strided.is_contiguous()
+    torch.testing.assert_close(paged_decode_reference(q, strided, table, lens, 10, 0.3, group.attn_mask),
+                               paged_decode_reference(q, strided.contiguous(), table, lens, 10, 0.3, group.attn_mask),
+                               rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("hq", [2, 6])
+def test_decode_query_heads_fold_equals_enable_gqa(hq):
+    """The decode SDPA's G query heads as query rows of their KV head == SDPA's enable_gqa
+    (query head h on KV head h // G), also with Hq == Hk and one sequence."""
+    kv = _pool()
+    for table, lens in ((torch.tensor([[4, 2, 9]]), torch.tensor([11])),
+                        (torch.tensor([[0, 7, 2], [5, 1, 0]]), torch.tensor([10, 5]))):
+        q = torch.randn(len(lens), hq, 8)
+        mask = decode_mask(lens, int(lens.max()))
+        got = paged_decode_reference(q, kv, table, lens, int(lens.max()), 0.3, mask)
+        keys = kv[0][table].reshape(len(lens), -1, 2, 8)[:, : int(lens.max())].transpose(1, 2)
+        vals = kv[1][table].reshape(len(lens), -1, 2, 8)[:, : int(lens.max())].transpose(1, 2)
+        want = torch.nn.functional.scaled_dot_product_attention(
+            q.unsqueeze(2), keys, vals, attn_mask=mask, scale=0.3, enable_gqa=hq != 2).squeeze(2)
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)

@@ -29,19 +29,20 @@ class DecodeGroup:
     contiguous_start: int | None = None
     """First block id when there is one sequence and its blocks are consecutive ids:
     its K/V is then a view of the pool, with no gather (the common single-stream case)."""
-    kv_rows: torch.Tensor | None = None
-    """[2 B nblk] the gather's rows of the pool viewed as [2 num_blocks, block]: the K rows,
-    then the V rows. Built by the first layer of a step (``gather_rows``), reused by the rest."""
+    kv_rows: tuple[int, int, torch.Tensor] | None = None
+    """(nblk, num_blocks, rows): the gather's rows [2 B nblk] of the pool viewed as
+    [2 num_blocks, block], K rows then V rows. CPU block tables only: built by a step's
+    first layer (``rows_for``), reused by the rest (every layer's pool has one shape)."""
 
-    def gather_rows(self, nblk: int, kv_cache: torch.Tensor) -> torch.Tensor:
-        # Every layer's pool has the same shape, so the first layer's rows serve them all.
+    def rows_for(self, nblk: int, kv_cache: torch.Tensor) -> torch.Tensor:
+        num_blocks = kv_cache.shape[1]
         # Not cached off the CPU: a CUDA graph replays one DecodeGroup with new block
         # tables, so there the rows must be recomputed inside the captured work.
         if self.block_table.device.type != "cpu":
-            return gather_rows(self.block_table, nblk, kv_cache.shape[1])
-        if self.kv_rows is None:
-            self.kv_rows = gather_rows(self.block_table, nblk, kv_cache.shape[1])
-        return self.kv_rows
+            return gather_rows(self.block_table, nblk, num_blocks)
+        if self.kv_rows is None or self.kv_rows[:2] != (nblk, num_blocks):
+            self.kv_rows = (nblk, num_blocks, gather_rows(self.block_table, nblk, num_blocks))
+        return self.kv_rows[2]
 
 
 @dataclass
@@ -139,16 +140,21 @@ def paged_decode_reference(q: torch.Tensor, kv_cache: torch.Tensor, block_table:
                            group: DecodeGroup | None = None) -> torch.Tensor:
     """One query token per sequence over its paged context. q: [B, Hq, D].
     ``masked=False`` promises every sequence is max_seq_len long (nothing to mask).
-    ``group``: the step's DecodeGroup, whose gather rows the layers share."""
+    ``group``: the step's DecodeGroup (``block_table`` must be its table), whose gather
+    rows the layers share."""
     bsz, _, d = q.shape
     bs, hk = kv_cache.shape[2], kv_cache.shape[3]
     nblk = (max_seq_len + bs - 1) // bs
-    rows = gather_rows(block_table, nblk, kv_cache.shape[1]) if group is None else group.gather_rows(nblk, kv_cache)
-    # One gather for K and V, along dim 0 of a 2-D view: index_select's contiguous-row
-    # path, ~3x faster on the CPU than along the pool's block dim (dim 1 of 5).
-    # [2 B nblk, bs Hk D] -> [2, B, Hk, L, D]
-    flat = kv_cache.view(2 * kv_cache.shape[1], -1)
-    kv = flat.index_select(0, rows).view(2, bsz, nblk * bs, hk, d)[:, :, :max_seq_len].transpose(2, 3)
+    if kv_cache.is_contiguous():
+        rows = gather_rows(block_table, nblk, kv_cache.shape[1]) if group is None else group.rows_for(nblk, kv_cache)
+        # One gather for K and V, along dim 0 of a 2-D view: index_select's contiguous-row
+        # path, ~3x faster on the CPU than along the pool's block dim (dim 1 of 5).
+        flat = kv_cache.view(2 * kv_cache.shape[1], -1)
+        kv = flat.index_select(0, rows)
+    else:  # a strided pool (a view of a bigger one) has no flat view: gather along dim 1
+        kv = kv_cache.index_select(1, block_table[:, :nblk].reshape(-1))
+    # [2 B nblk, bs, Hk, D] -> [2, B, Hk, L, D]
+    kv = kv.reshape(2, bsz, nblk * bs, hk, d)[:, :, :max_seq_len].transpose(2, 3)
     if mask is None and masked:
         mask = decode_mask(seq_lens, max_seq_len)
     return _sdpa_decode(q, kv[0], kv[1], mask, scale)

@@ -408,6 +408,8 @@ def _check(cfg: FastConfig, m: int) -> None:
         raise ValueError(f"in_had needs 16 tk to be a multiple of 128, got tk={cfg.tk}")
     if cfg.split and cfg.dot and (cfg.tk < 4 or cfg.tn < 2):  # tl.dot's 16 x 16 minimum
         raise ValueError(f"the split dot needs tk >= 4 and tn >= 2, got {cfg}")
+    if cfg.row and cfg.dot:
+        raise ValueError(f"row is the one-row FMA kernel (dot=False), got {cfg}")
 
 
 def fast_input_transform(f: EXL3Fused, x2: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
@@ -448,7 +450,7 @@ def fast_partials(f: EXL3Fused, x2: torch.Tensor, cfg: FastConfig) -> torch.Tens
     consts = dict(K=f.bits, CB=CODEBOOK_IDS[f.codebook], G=GROUP[f.bits], TK=cfg.tk, TN=cfg.tn, BM=bm, DOT=cfg.dot,
                   EVEN_K=ti % cfg.tk == 0, ASM=_use_asm(cfg.asm, f.codebook), num_warps=cfg.warps,
                   num_stages=cfg.stages)
-    if cfg.split:
+    if cfg.split or cfg.row:  # row where G != 8: the split kernel, as FastConfig.row says
         _split_kernel[(blocks_n, splits, blocks_m)](
             x, f.trellis.view(torch.int32), f.tile_part, out, m, ti, _tile_stride(f.trellis), f.padded_out, per,
             stride_xp, stride_xm, **consts)

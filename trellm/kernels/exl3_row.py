@@ -64,7 +64,7 @@ def _row_kernel(x_ptr, w_ptr, tile_part_ptr, out_ptr, TI, TJS, NP, per_split, st
             rows = k0 * 16 + xrow + ((J % 2) + 8 * ((J // 2) % 2))
             if EVEN_K:
                 xv = tl.load(x_ptr + rows)
-            else:  # rows past the weight's: zeros (their weights are masked to zero too)
+            else:  # rows past the weight's: x is zero there (masked words decode to non-zeros)
                 xv = tl.load(x_ptr + rows, mask=rows < TI * 16, other=0.0)
             if J >= 4:
                 acc1 += xv * v

@@ -257,12 +257,12 @@ LLAMA3_SCALING = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
 def rope_tables(d: int, max_pos: int, scaling: dict | None, device: torch.device
                 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(inv_freq, cos [P, D], signed sin [P, D]) in float32, as RotaryEmbedding builds them."""
-    from trellm.layers.norm_rope import rope_inv_freq
+    from trellm.layers.norm_rope import _cos_sin, rope_inv_freq
 
     inv = rope_inv_freq(d, 500000.0, scaling)
-    freqs = torch.outer(torch.arange(max_pos, dtype=torch.float32), inv)
-    cos = torch.cat((freqs, freqs), dim=-1).cos()
-    sin = torch.cat((-freqs.sin(), freqs.sin()), dim=-1)
+    c, s = _cos_sin(torch.outer(torch.arange(max_pos, dtype=torch.float32), inv))
+    cos = torch.cat((c, c), dim=-1)
+    sin = torch.cat((-s, s), dim=-1)
     return inv, cos.to(device), sin.to(device)
 
 

@@ -1,7 +1,8 @@
 """RMSNorm and rotary embeddings (Llama layout, llama3 frequency scaling).
 
 Both follow transformers' arithmetic (norm in float32, cast back before the
-weight; rotate-half RoPE) so logits match the reference closely.
+weight; rotate-half RoPE) so logits match the reference closely; the RoPE tables are
+the correctly rounded float32 cos/sin (within an ulp of transformers' float32 ones).
 """
 from __future__ import annotations
 
@@ -121,10 +122,11 @@ class RotaryEmbedding(torch.nn.Module):
 
 
 def _cos_sin(freqs: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """cos and sin of float32 angles, through float64: the correctly rounded float32 values.
-    In float32 the CPU's tables changed from run to run (an element's cos at ~500 rad
-    moved by up to 3e-4 between processes: which vector or scalar path takes an element
-    depends on the tensor's alignment), and a test of bit-identical RoPE with them."""
+    """cos and sin of float32 angles, through float64: the correctly rounded float32 values,
+    the same in every process. In float32, on this project's 2-core CI-class machine, the
+    tables differed between processes (one element's cos at ~500 rad by 3e-4, in ~1 run
+    of 4 of tests/unit/test_layers.py; not reproduced on every machine), which made a
+    bit-identity test flaky."""
     f = freqs.double()
     return f.cos().float(), f.sin().float()
 
