@@ -239,8 +239,9 @@ def test_fast_several_row_blocks_and_dispatch(device):
 
 def test_fast_reconstruct_path_merged_parts_in_column_slices(device):
     # Prefill's path: decode Wq to fp16 in slices of 128 columns (so the 256-wide part takes
-    # two, the others one each), cuBLAS per part on its own input signs, the fused output
-    # transform; against the reference, and the slice decode bit-exact against the whole.
+    # two, the others one each), cuBLAS per part on its own input signs, both Hadamard
+    # transforms as float32 GEMMs; against the reference, and the slice decode bit-exact
+    # against the whole.
     parts = [qt.exl3_weight(200, o, 4, "mul1", device, seed=o, bias=True) for o in (256, 100, 130)]
     f = exl3_fast.fuse(parts)
     d = exl3_fast.FastDispatch(reconstruct_min_rows=4, reconstruct_cols=128)

@@ -38,7 +38,9 @@ fused into the main kernel with ``in_had``: each program Hadamards its own K sli
 of x, a [BM, 128] x [128, 128] dot per 128 inputs) -> main kernel (split-K
 partials) -> output transform for every part (one launch; scatters each part's
 columns to its place in the unpadded output). 2-3 launches per layer, no host
-syncs, no data-dependent Python branches: CUDA-graph safe.
+syncs, no data-dependent Python branches: CUDA-graph safe. Prefill (``fast_prefill``,
+from ``reconstruct_min_rows``) instead decodes W to fp16 in column slices for cuBLAS
+and runs both transforms as float32 GEMMs against the +-1 Hadamard table.
 """
 from __future__ import annotations
 
@@ -53,6 +55,9 @@ from trellm.kernels.exl3_decode import CODEBOOK_IDS, _in_kernel, _inst_value, _o
 from trellm.kernels.paged_attention import _num_sms
 from trellm.quant.exl3.hadamard import HAD_SIZE
 from trellm.quant.exl3.weight import EXL3Weight
+
+_HAD_SCALE = 0.08838834764831845
+"""1 / sqrt(128), the float32 constant the transform kernels multiply by."""
 
 
 def group_size(k: int) -> int:
@@ -492,27 +497,40 @@ def fast_matmul(f: EXL3Fused, x: torch.Tensor, cfg: FastConfig | None = None,
     if m == 0:
         return x.new_empty(*x.shape[:-1], f.out_features)
     if cfg is None and m >= d.reconstruct_min_rows:
-        part = fast_reconstruct_partials(f, x2, d.reconstruct_cols)
-    else:
-        part = fast_partials(f, x2, cfg or choose_config(m, d))
+        return fast_prefill(f, x2, d.reconstruct_cols, x.dtype).reshape(*x.shape[:-1], f.out_features)
+    part = fast_partials(f, x2, cfg or choose_config(m, d))
     return fast_output_transform(f, part, x.dtype).reshape(*x.shape[:-1], f.out_features)
 
 
-def fast_reconstruct_partials(f: EXL3Fused, x2: torch.Tensor, max_cols: int) -> torch.Tensor:
-    """Prefill: [1, M, sum out_p] fp16 = each part's ``xh @ Wq`` through cuBLAS, Wq decoded
-    by the matrix-order kernel in slices of at most ``max_cols`` columns (bounds the
-    temporary), never crossing a part (each part has its own input signs)."""
-    xs = fast_input_transform(f, x2, torch.float16)
-    out = torch.empty(1, x2.shape[0], f.padded_out, dtype=torch.float16, device=x2.device)
-    col = 0
+def fast_prefill(f: EXL3Fused, x2: torch.Tensor, max_cols: int, dtype: torch.dtype) -> torch.Tensor:
+    """Prefill (many rows): [M, out_features] = each part's ``x @ W (+ bias)`` through
+    cuBLAS, Wq decoded by the matrix-order kernel in slices of at most ``max_cols``
+    columns (bounds the temporary), never crossing a part (each has its own signs).
+
+    The Hadamard transforms are float32 cuBLAS GEMMs against the +-1 table here, not the
+    _in_kernel / _out_kernel launches of the decode path: the same arithmetic (exact
+    +-1 products summed in float32, then the 1/sqrt(128) scale), but those kernels run
+    one 16-row program per 128 columns (~330k programs a Llama-3.1-8B layer at 8k
+    rows), and the input one spills registers on sm_90 (docs/benchmarks/gpu/README.md,
+    2026-12-05)."""
+    m = x2.shape[0]
+    had = f.had.float()
+    xf = torch.nn.functional.pad(x2.float(), (0, f.padded_in - f.in_features))
+    y = torch.empty(m, f.out_features, dtype=dtype, device=x2.device)
+    col = dest = 0
     for i, p in enumerate(f.parts):
-        end = col + p.padded_out
-        for c0 in range(col, end, max_cols):
-            c1 = min(end, c0 + max_cols)
-            wq = fast_reconstruct(f, cols=(c0 // 16, c1 // 16))
-            torch.matmul(xs[i], wq, out=out[0, :, c0:c1])
-        col = end
-    return out
+        xs = (torch.matmul((xf * f.suh[i].float()).view(m, -1, HAD_SIZE), had) * _HAD_SCALE).view(m, -1).half()
+        acc = torch.empty(m, p.padded_out, dtype=torch.float16, device=x2.device)
+        for c0 in range(0, p.padded_out, max_cols):
+            c1 = min(p.padded_out, c0 + max_cols)
+            torch.matmul(xs, fast_reconstruct(f, cols=((col + c0) // 16, (col + c1) // 16)), out=acc[:, c0:c1])
+        yp = torch.matmul(acc.float().view(m, -1, HAD_SIZE), had).view(m, -1) * _HAD_SCALE
+        yp = yp[:, :p.out_features] * f.svh[col:col + p.out_features].float()
+        if f.bias is not None:
+            yp = yp + f.bias[dest:dest + p.out_features].float()
+        y[:, dest:dest + p.out_features] = yp
+        col, dest = col + p.padded_out, dest + p.out_features
+    return y
 
 
 def fast_reconstruct(w: EXL3Weight | EXL3Fused, tk: int = 4, tn: int = 8, asm: bool = True,
