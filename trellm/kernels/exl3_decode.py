@@ -47,12 +47,12 @@ _TRANSFORM_ROWS = 16
 """Rows per program of the transform kernels (tl.dot needs 16)."""
 _TRANSFORM_WARPS = 8
 """The sign matrix is 128 x 128 float32 in registers: spread it over 256 threads."""
-_HAD_PRECISION: tl.constexpr = tl.constexpr("tf32x3")
-"""The transforms' dot: three TF32 tensor-core products. The +-1 matrix is exact in TF32,
-so this is x split into two TF32 halves (~22 significant bits) times exact signs. The
-fp32 "ieee" dot it replaces ran on FMAs, and for the input transforms ptxas (sm_90,
-Triton 3.6) held it in 32 registers with ~1,100 local-memory spills per program (SASS
-compiled on the CPU); tf32x3 compiles to half the instructions and no spills."""
+# The transforms' dot is input_precision="tf32x3" (a literal in each kernel: a module-level
+# tl.constexpr would need Triton at import time): three TF32 tensor-core products. The
+# +-1 matrix is exact in TF32, so this is x split into two TF32 halves (~22 significant bits) times exact signs. The
+# fp32 "ieee" dot it replaces ran on FMAs, and for the input transforms ptxas (sm_90,
+# Triton 3.6) held it in 32 registers with ~1,100 local-memory spills per program (SASS
+# compiled on the CPU); tf32x3 compiles to half the instructions and no spills.
 
 
 def kernel_bits(w: EXL3Weight) -> int | None:
@@ -257,7 +257,7 @@ def _input_transform_kernel(x_ptr, suh_ptr, out_ptr, M, n_in, stride_x, stride_o
     x = tl.load(x_ptr + rows[:, None].to(tl.int64) * stride_x + cols[None, :],
                 mask=(rows[:, None] < M) & (cols[None, :] < n_in), other=0.0).to(tl.float32)
     x = x * tl.load(suh_ptr + cols).to(tl.float32)[None, :]
-    y = tl.dot(x, _hadamard_signs(), input_precision=_HAD_PRECISION) * 0.08838834764831845
+    y = tl.dot(x, _hadamard_signs(), input_precision="tf32x3") * 0.08838834764831845
     tl.store(out_ptr + rows[:, None].to(tl.int64) * stride_o + cols[None, :], y.to(out_ptr.dtype.element_ty),
              mask=rows[:, None] < M)
 
@@ -288,7 +288,7 @@ def _output_transform_kernel(p_ptr, svh_ptr, bias_ptr, out_ptr, M, n_out, out_p,
     acc = tl.zeros((BM, 128), tl.float32)
     for s in range(splits):
         acc += tl.load(p_ptr + s * stride_s + offs, mask=rmask, other=0.0).to(tl.float32)
-    y = tl.dot(acc, _hadamard_signs(), input_precision=_HAD_PRECISION) * 0.08838834764831845
+    y = tl.dot(acc, _hadamard_signs(), input_precision="tf32x3") * 0.08838834764831845
     cmask = cols < n_out
     y = y * tl.load(svh_ptr + cols).to(tl.float32)[None, :]
     if HAS_BIAS:
@@ -330,7 +330,7 @@ def _in_kernel(x_ptr, suh_ptr, out_ptr, M, n_in, in_p, stride_x, BM: tl.constexp
     x = tl.load(x_ptr + rows[:, None].to(tl.int64) * stride_x + cols[None, :],
                 mask=(rows[:, None] < M) & (cols[None, :] < n_in), other=0.0).to(tl.float32)
     x = x * tl.load(suh_ptr + part * in_p + cols).to(tl.float32)[None, :]
-    y = tl.dot(x, _hadamard_signs(), input_precision=_HAD_PRECISION) * 0.08838834764831845
+    y = tl.dot(x, _hadamard_signs(), input_precision="tf32x3") * 0.08838834764831845
     out = out_ptr + (part * M).to(tl.int64) * in_p + rows[:, None].to(tl.int64) * in_p + cols[None, :]
     tl.store(out, y.to(out_ptr.dtype.element_ty), mask=rows[:, None] < M)
 
@@ -348,7 +348,7 @@ def _out_kernel(p_ptr, svh_ptr, bias_ptr, dest_ptr, ncols_ptr, out_ptr, M, NP, s
     acc = tl.zeros((BM, 128), tl.float32)
     for s in range(splits):
         acc += tl.load(p_ptr + s * M * NP + offs, mask=rmask, other=0.0)
-    y = tl.dot(acc, _hadamard_signs(), input_precision=_HAD_PRECISION) * 0.08838834764831845
+    y = tl.dot(acc, _hadamard_signs(), input_precision="tf32x3") * 0.08838834764831845
     y = y * tl.load(svh_ptr + blk * 128 + j).to(tl.float32)[None, :]
     dest = tl.load(dest_ptr + blk) + j
     cmask = j < tl.load(ncols_ptr + blk)

@@ -51,13 +51,10 @@ from dataclasses import dataclass
 import torch
 
 from trellm.kernels._triton import tl, triton
-from trellm.kernels.exl3_decode import CODEBOOK_IDS, _in_kernel, _inst_value, _out_kernel, kernel_bits
+from trellm.kernels.exl3_decode import _HAD_SCALE, CODEBOOK_IDS, _in_kernel, _inst_value, _out_kernel, kernel_bits
 from trellm.kernels.paged_attention import _num_sms
 from trellm.quant.exl3.hadamard import HAD_SIZE
 from trellm.quant.exl3.weight import EXL3Weight
-
-_HAD_SCALE = 0.08838834764831845
-"""1 / sqrt(128), the float32 constant the transform kernels multiply by."""
 
 
 def group_size(k: int) -> int:
