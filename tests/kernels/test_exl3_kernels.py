@@ -240,7 +240,7 @@ def test_fast_several_row_blocks_and_dispatch(device):
 def test_fast_reconstruct_path_merged_parts_in_column_slices(device):
     # Prefill's path: decode Wq to fp16 in slices of 128 columns (so the 256-wide part takes
     # two, the others one each), cuBLAS per part on its own input signs, both Hadamard
-    # transforms as float32 GEMMs; against the reference, and the slice decode bit-exact
+    # transforms as fp16 GEMMs (exl3_prefill.py); against the reference, and the slice decode bit-exact
     # against the whole.
     parts = [qt.exl3_weight(200, o, 4, "mul1", device, seed=o, bias=True) for o in (256, 100, 130)]
     f = exl3_fast.fuse(parts)
@@ -251,3 +251,19 @@ def test_fast_reconstruct_path_merged_parts_in_column_slices(device):
     _ok(compare("exl3_fast reconstruct path", "x=6", got, want, quant_tolerance(torch.float32, True), torch.float32))
     whole = exl3_fast.fast_reconstruct(f)
     assert torch.equal(exl3_fast.fast_reconstruct(f, cols=(8, 24)), whole[:, 8 * 16:24 * 16])
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_fast_reconstruct_path_half_inputs_unpadded(device, dtype):
+    # The same path with half-precision activations, no input padding (256 = 2 x 128,
+    # so the fp16 input buffer is not zero-filled), no bias, one slice per part.
+    parts = [qt.exl3_weight(256, o, 3, "mcg", device, seed=o) for o in (128, 384)]
+    f = exl3_fast.fuse(parts)
+    d = exl3_fast.FastDispatch(reconstruct_min_rows=4, reconstruct_cols=16384)
+    x = torch.randn(9, 256, generator=torch.Generator().manual_seed(5)).to(f.trellis.device)
+    got = exl3_fast.fast_matmul(f, x.to(dtype), dispatch=d)
+    assert got.dtype == dtype
+    want = torch.cat([forward_reference(p, x.to(dtype).float()) for p in parts], dim=-1)
+    _ok(compare("exl3_fast reconstruct path", f"x=9 {dtype}", got, want, quant_tolerance(dtype, True), dtype))
+    with pytest.raises(ValueError, match="multiple of 128"):
+        exl3_fast.fast_prefill(f, x.to(dtype), 100, dtype)

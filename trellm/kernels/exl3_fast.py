@@ -40,7 +40,7 @@ partials) -> output transform for every part (one launch; scatters each part's
 columns to its place in the unpadded output). 2-3 launches per layer, no host
 syncs, no data-dependent Python branches: CUDA-graph safe. Prefill (``fast_prefill``,
 from ``reconstruct_min_rows``) instead decodes W to fp16 in column slices for cuBLAS
-and runs both transforms as float32 GEMMs against the +-1 Hadamard table.
+and runs both transforms as fp16 GEMMs (``exl3_prefill.py``).
 """
 from __future__ import annotations
 
@@ -51,7 +51,7 @@ from dataclasses import dataclass
 import torch
 
 from trellm.kernels._triton import tl, triton
-from trellm.kernels.exl3_decode import _HAD_SCALE, CODEBOOK_IDS, _in_kernel, _inst_value, _out_kernel, kernel_bits
+from trellm.kernels.exl3_decode import CODEBOOK_IDS, _in_kernel, _inst_value, _out_kernel, kernel_bits
 from trellm.kernels.paged_attention import _num_sms
 from trellm.quant.exl3.hadamard import HAD_SIZE
 from trellm.quant.exl3.weight import EXL3Weight
@@ -388,6 +388,7 @@ def _fast_reconstruct_kernel(w_ptr, out_ptr, TI, TJS, stride_o, K: tl.constexpr,
 
 # Merged layers live in exl3_fused; re-exported here, where callers have always found them.
 from trellm.kernels.exl3_fused import EXL3Fused, _had_table, fusable, fuse, fuse_groups  # noqa: E402,F401
+from trellm.kernels.exl3_prefill import prefill_matmul  # noqa: E402
 
 
 # ---- launches ---------------------------------------------------------------------------------
@@ -500,34 +501,9 @@ def fast_matmul(f: EXL3Fused, x: torch.Tensor, cfg: FastConfig | None = None,
 
 
 def fast_prefill(f: EXL3Fused, x2: torch.Tensor, max_cols: int, dtype: torch.dtype) -> torch.Tensor:
-    """Prefill (many rows): [M, out_features] = each part's ``x @ W (+ bias)`` through
-    cuBLAS, Wq decoded by the matrix-order kernel in slices of at most ``max_cols``
-    columns (bounds the temporary), never crossing a part (each has its own signs).
-
-    The Hadamard transforms are float32 cuBLAS GEMMs against the +-1 table here, not the
-    _in_kernel / _out_kernel launches of the decode path: the same arithmetic (exact
-    +-1 products summed in float32, then the 1/sqrt(128) scale), but those kernels run
-    one 16-row program per 128 columns (~330k programs a Llama-3.1-8B layer at 8k
-    rows), and the input one spills registers on sm_90 (docs/benchmarks/gpu/README.md,
-    2026-12-05)."""
-    m = x2.shape[0]
-    had = f.had.float()
-    xf = torch.nn.functional.pad(x2.float(), (0, f.padded_in - f.in_features))
-    y = torch.empty(m, f.out_features, dtype=dtype, device=x2.device)
-    col = dest = 0
-    for i, p in enumerate(f.parts):
-        xs = (torch.matmul((xf * f.suh[i].float()).view(m, -1, HAD_SIZE), had) * _HAD_SCALE).view(m, -1).half()
-        acc = torch.empty(m, p.padded_out, dtype=torch.float16, device=x2.device)
-        for c0 in range(0, p.padded_out, max_cols):
-            c1 = min(p.padded_out, c0 + max_cols)
-            torch.matmul(xs, fast_reconstruct(f, cols=((col + c0) // 16, (col + c1) // 16)), out=acc[:, c0:c1])
-        yp = torch.matmul(acc.float().view(m, -1, HAD_SIZE), had).view(m, -1) * _HAD_SCALE
-        yp = yp[:, :p.out_features] * f.svh[col:col + p.out_features].float()
-        if f.bias is not None:
-            yp = yp + f.bias[dest:dest + p.out_features].float()
-        y[:, dest:dest + p.out_features] = yp
-        col, dest = col + p.padded_out, dest + p.out_features
-    return y
+    """Prefill (many rows): Wq decoded by the matrix-order kernel in column slices for
+    cuBLAS, both transforms as fp16 GEMMs (``trellm/kernels/exl3_prefill.py``)."""
+    return prefill_matmul(f, x2, max_cols, dtype, lambda w, cols: fast_reconstruct(w, cols=cols))
 
 
 def fast_reconstruct(w: EXL3Weight | EXL3Fused, tk: int = 4, tn: int = 8, asm: bool = True,
