@@ -125,6 +125,16 @@ def test_repetition_penalty():
     assert logits.tolist() == [[2.0, -2.0, 1.0, -1.0, 0.5]]  # input untouched
 
 
+def test_repetition_penalty_that_underflows_still_samples_a_penalized_token():
+    # 1e-300 is 0 in float32: every seen token with a positive logit goes to +inf. The
+    # draw must pick among those (here 2 and 4), never fall back to token 0 through NaN.
+    logits = torch.tensor([[-1.0, -2.0, 1.0, -1.0, 0.5, 3.0]])
+    p = SamplingParams(temperature=1.0, repetition_penalty=1e-300, seed=1)
+    rows = [row(p, prompt=[2, 4, 1], generator=make_generator(s, "cpu")) for s in range(8)]
+    tokens, _ = Sampler()(logits.expand(8, -1).contiguous(), rows)
+    assert set(tokens) == {2, 4}
+
+
 def test_frequency_and_presence_penalties():
     logits = torch.zeros(1, 6)
     p = SamplingParams(frequency_penalty=0.5, presence_penalty=0.25)

@@ -242,11 +242,15 @@ async def run_unless_disconnected(request: Request, work: Awaitable[T]) -> T:
         await asyncio.wait({task, watcher}, return_when=asyncio.FIRST_COMPLETED)
     finally:
         watcher.cancel()
-        if not task.done():
+        finished = task.done()
+        if not finished:
             task.cancel()
             with contextlib.suppress(asyncio.CancelledError, Exception):
                 await task
-    if task.cancelled():
+    # Not ``task.cancelled()``: a cancelled ``asyncio.gather`` (the completions route's n
+    # prompts) does not report itself cancelled on Python 3.11; it finishes holding a
+    # CancelledError, which ``result()`` would raise out of the handler as a 500.
+    if not finished:
         raise ClientDisconnected()
     return task.result()
 

@@ -223,7 +223,10 @@ def _sample_random(x: torch.Tensor, rows: Sequence[SamplingRow]) -> torch.Tensor
     dev, vocab = x.device, x.shape[-1]
     params = [r.params for r in rows]
     temps = device_tensor([p.temperature for p in params], dev, x.dtype)
-    x = x / temps[:, None]
+    # +inf logits (a repetition penalty that rounds to 0 in float32 divides a positive
+    # logit by it) become the largest finite value: softmax over inf gives NaN, and the
+    # draw would then always return token 0. Tied maxima keep equal chances.
+    x = torch.nan_to_num(x / temps[:, None], nan=_NEG_INF, posinf=torch.finfo(x.dtype).max, neginf=_NEG_INF)
     if any(p.min_p > 0.0 for p in params):
         _apply_min_p_(x, device_tensor([p.min_p for p in params], dev, x.dtype))
     use_k = any(0 < p.top_k < vocab for p in params)
