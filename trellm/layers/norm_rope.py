@@ -43,10 +43,22 @@ def rope_inv_freq(head_dim: int, theta: float, scaling: dict | None) -> torch.Te
     if kind in (None, "default"):
         return inv
     if kind == "linear":
-        return inv / float(scaling["factor"])
+        return inv / _positive(scaling, "factor")
     if kind == "llama3":
+        for key in ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings"):
+            _positive(scaling, key)
+        if float(scaling["high_freq_factor"]) <= float(scaling["low_freq_factor"]):
+            raise ValueError("rope_scaling: high_freq_factor must be above low_freq_factor")
         return _llama3_inv_freq(inv, scaling)
     raise ValueError(f"unsupported rope_scaling type {kind!r}")
+
+
+def _positive(scaling: dict, key: str) -> float:
+    """scaling[key] as a float, or a ValueError naming it (model configs are data)."""
+    v = scaling.get(key)
+    if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) or v <= 0:
+        raise ValueError(f"rope_scaling: {key} must be a positive number, got {v!r:.40}")
+    return float(v)
 
 
 def _llama3_inv_freq(inv: torch.Tensor, s: dict) -> torch.Tensor:

@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Callable, Iterator
 
-from trellm.loader.errors import ModelLoadError
+from trellm.loader.errors import ModelLoadError, first_line
 
 if TYPE_CHECKING:
     import torch
@@ -89,16 +89,35 @@ def _read_magic(path: Path) -> bytes:
 
 def read_json_object(path: Path) -> dict:
     """A JSON object from ``path`` or a one-line ModelLoadError."""
+    if path.exists() and not path.is_file():
+        # A FIFO or device would block or never end.
+        raise ModelLoadError(f"{path} is not a regular file")
     try:
         with open(path, encoding="utf-8") as f:
             data = json.load(f)
     except OSError as e:
         raise ModelLoadError(f"cannot read {path}: {e.strerror or e}") from e
-    except (UnicodeDecodeError, json.JSONDecodeError) as e:
+    except RecursionError as e:
+        raise ModelLoadError(f"{path} is not valid JSON: nested too deeply") from e
+    except ValueError as e:  # JSONDecodeError, UnicodeDecodeError, over-long integers
         raise ModelLoadError(f"{path} is not valid JSON: {str(e).splitlines()[0]}") from e
     if not isinstance(data, dict):
         raise ModelLoadError(f"{path} does not hold a JSON object")
     return data
+
+
+def hf_dir_tokenizer(folder: Path, generation_config: dict) -> "Tokenizer | None":
+    """The directory's tokenizer (None without tokenizer.json), or a one-line ModelLoadError."""
+    from trellm.tokenizer.tokenizer import Tokenizer
+
+    if not (folder / "tokenizer.json").is_file():
+        return None
+    try:
+        return Tokenizer.from_hf_dir(folder, generation_config)
+    except ModelLoadError:
+        raise
+    except Exception as e:  # bad special-token ids / names in the tokenizer files
+        raise ModelLoadError(f"{folder}: cannot build the tokenizer: {first_line(e)}") from e
 
 
 def _open_dummy(config_path: Path) -> Checkpoint:
@@ -110,11 +129,7 @@ def _open_dummy(config_path: Path) -> Checkpoint:
     folder = config_path.parent
     gen_path = folder / "generation_config.json"
     generation_config = read_json_object(gen_path) if gen_path.is_file() else {}
-    tokenizer = None
-    if (folder / "tokenizer.json").is_file():
-        from trellm.tokenizer.tokenizer import Tokenizer
-
-        tokenizer = Tokenizer.from_hf_dir(folder, generation_config)
+    tokenizer = hf_dir_tokenizer(folder, generation_config)
 
     def tensors() -> Iterator[tuple[str, "torch.Tensor"]]:
         raise ModelLoadError(f"dummy:{config_path} has no weights; the model makes random ones")

@@ -109,7 +109,10 @@ def read_gguf(path: str | Path) -> GGUFFile:
         name = cur.string()
         dims = tuple(cur.scalar("Q") for _ in range(cur.scalar("I")))
         infos.append((name, dims, cur.scalar("I"), cur.scalar("Q")))
-    align = int(fields.get("general.alignment", 32))
+    align = fields.get("general.alignment", 32)
+    if not isinstance(align, int) or align <= 0 or align & (align - 1):
+        # The spec asks for a power of two; anything else misplaces every tensor.
+        raise GGUFFormatError(f"general.alignment must be a positive power of two, got {align!r:.40}")
     start = (cur.pos + align - 1) // align * align
     tensors = [_tensor(mm, start, *info) for info in infos]
     return GGUFFile(version, fields, tensors)

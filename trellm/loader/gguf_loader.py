@@ -65,7 +65,12 @@ def load_gguf(path: Path, keep_q4: bool = False) -> Checkpoint:
     if unknown:
         raise ModelLoadError(f"{path}: GGUF tensor {unknown[0]!r} has no Hugging Face equivalent "
                              f"({len(unknown)} such tensors)")
-    tokenizer = Tokenizer.from_gguf(reader) if "tokenizer.ggml.model" in reader.fields else None
+    try:
+        tokenizer = Tokenizer.from_gguf(reader) if "tokenizer.ggml.model" in reader.fields else None
+    except ModelLoadError:
+        raise
+    except Exception as e:  # malformed vocabulary / merges / token types
+        raise ModelLoadError(f"{path}: cannot build the tokenizer from the GGUF metadata: {first_line(e)}") from e
     generation_config = {k: config[k] for k in ("bos_token_id", "eos_token_id") if config.get(k) is not None}
     unpermute = config["model_type"] == "llama"
     types = {hf: t.tensor_type.name for t in reader.tensors if (hf := names[t.name]) is not None}
@@ -165,6 +170,10 @@ def gguf_hf_config(reader: Any, source: str = "GGUF") -> dict:
     if hidden is None or heads is None or a("block_count") is None:
         raise ModelLoadError(f"{source}: GGUF metadata lacks {arch}.embedding_length, "
                              f"block_count or attention.head_count")
+    for key, value in (("embedding_length", hidden), ("attention.head_count", heads),
+                       ("block_count", a("block_count"))):
+        if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
+            raise ModelLoadError(f"{source}: GGUF {arch}.{key} must be a positive integer, got {value!r:.40}")
     tensor_names = {t.name for t in reader.tensors}
     tokens = _get(reader, "tokenizer.ggml.tokens")
     config = {

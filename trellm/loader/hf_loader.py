@@ -16,7 +16,7 @@ import torch
 from safetensors import safe_open
 from tqdm import tqdm
 
-from trellm.loader.checkpoint import Checkpoint, read_json_object
+from trellm.loader.checkpoint import Checkpoint, hf_dir_tokenizer, read_json_object
 from trellm.loader.errors import ModelLoadError, first_line
 
 INDEX_FILE = "model.safetensors.index.json"
@@ -26,15 +26,13 @@ PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".ckpt")
 
 def load_hf_dir(path: Path, load_workers: int = 4) -> Checkpoint:
     """Open an HF directory as a ``Checkpoint``; shard headers are checked now, data read lazily."""
-    from trellm.tokenizer.tokenizer import Tokenizer
-
     config = read_json_object(path / "config.json")
     gen_path = path / "generation_config.json"
     generation_config = read_json_object(gen_path) if gen_path.is_file() else {}
     files = weight_files(path)
     for f in files:
         _check_header(f)
-    tokenizer = Tokenizer.from_hf_dir(path, generation_config) if (path / "tokenizer.json").is_file() else None
+    tokenizer = hf_dir_tokenizer(path, generation_config)
     workers = max(1, int(load_workers))
 
     def tensors() -> Iterator[tuple[str, torch.Tensor]]:
@@ -51,7 +49,7 @@ def weight_files(path: Path) -> list[Path]:
         weight_map = read_json_object(index).get("weight_map")
         if not isinstance(weight_map, dict) or not weight_map:
             raise ModelLoadError(f"{index} has no weight_map")
-        files = [path / name for name in sorted(set(weight_map.values()))]
+        files = [path / name for name in sorted(set(_shard_names(weight_map, index)))]
         missing = [f.name for f in files if not f.is_file()]
         if missing:
             raise ModelLoadError(f"{path}: shard {missing[0]} listed in {INDEX_FILE} is missing "
@@ -59,7 +57,9 @@ def weight_files(path: Path) -> list[Path]:
         return files
     if (path / SINGLE_FILE).is_file():
         return [path / SINGLE_FILE]
-    shards = sorted(path.glob("*.safetensors"))
+    # Regular files only (is_file follows links): a FIFO or device named *.safetensors
+    # would block or stream forever when opened.
+    shards = sorted(f for f in path.glob("*.safetensors") if f.is_file())
     # Repos may add adapters or a "consolidated" copy beside the model-* shards.
     preferred = [f for f in shards if f.name.startswith("model")]
     if preferred or shards:
@@ -69,6 +69,20 @@ def weight_files(path: Path) -> list[Path]:
         raise ModelLoadError(f"{path} has only PyTorch pickle weights ({pickles[0]}); pickle "
                              f"checkpoints are not loaded for safety, convert them to safetensors")
     raise ModelLoadError(f"{path} has no model weights (no *.safetensors files)")
+
+
+def _shard_names(weight_map: dict, index: Path) -> list[str]:
+    """The index's shard file names: plain relative names inside the model directory
+    (an index is data from the model's author, not a licence to read any file)."""
+    names = []
+    for name in weight_map.values():
+        if not isinstance(name, str) or not name:
+            raise ModelLoadError(f"{index}: weight_map values must be shard file names, got {name!r:.60}")
+        rel = Path(name)
+        if rel.is_absolute() or ".." in rel.parts:
+            raise ModelLoadError(f"{index}: shard {name!r:.80} is outside the model directory")
+        names.append(name)
+    return names
 
 
 def _check_header(f: Path) -> None:

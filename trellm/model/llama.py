@@ -111,7 +111,7 @@ class LlamaForCausalLM(torch.nn.Module):
                                                _weight=torch.empty(cfg.vocab_size, cfg.hidden_size, dtype=dtype))
         self.embed_tokens.weight.requires_grad_(False)
         rope = RotaryEmbedding(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling,
-                               max(max_positions, cfg.max_position_embeddings))
+                               max_positions)
         self.layers = torch.nn.ModuleList(DecoderLayer(cfg, i, rope, dtype) for i in range(cfg.num_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
         self.lm_head = None

@@ -32,11 +32,29 @@ def _strftime_now(fmt: str) -> str:
     return datetime.now().strftime(fmt)
 
 
+MAX_REPEAT = 1 << 20
+"""Largest sequence a template may build with ``*`` (``'a' * 10**10`` would ask for 10 GB)."""
+
+
+class _Sandbox(ImmutableSandboxedEnvironment):
+    """The immutable sandbox with ``*`` and ``**`` bounded (``range`` already is)."""
+
+    intercepted_binops = frozenset({"*", "**"})
+
+    def call_binop(self, context, operator, left, right):
+        if operator == "*":
+            for seq, n in ((left, right), (right, left)):
+                if isinstance(seq, (str, list, tuple)) and isinstance(n, int) and len(seq) * n > MAX_REPEAT:
+                    raise jinja2.exceptions.SecurityError(f"sequence repetition longer than {MAX_REPEAT}")
+        if operator == "**" and isinstance(right, int) and abs(right) > 1024:
+            raise jinja2.exceptions.SecurityError("exponent too large")
+        return super().call_binop(context, operator, left, right)
+
+
 @lru_cache(maxsize=16)
 def compile_template(source: str) -> jinja2.Template:
     """Compile once per distinct template text (servers render the same one per request)."""
-    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True,
-                                        extensions=[jinja2.ext.loopcontrols])
+    env = _Sandbox(trim_blocks=True, lstrip_blocks=True, extensions=[jinja2.ext.loopcontrols])
     env.filters["tojson"] = _tojson
     env.globals["raise_exception"] = _raise_exception
     env.globals["strftime_now"] = _strftime_now
@@ -84,7 +102,9 @@ def render_chat_template(source: str | None, messages: list[dict], *,
                                add_generation_prompt=add_generation_prompt, **variables)
     except jinja2.exceptions.TemplateError as e:
         raise ValueError(f"the chat template rejected the conversation: {e}") from e
-    except (TypeError, KeyError, AttributeError, IndexError) as e:
-        # A template that indexes a missing key or concatenates None fails with a
-        # Python error, which is the caller's input problem, not an engine bug.
-        raise ValueError(f"the chat template failed on this conversation: {type(e).__name__}: {e}") from e
+    except Exception as e:  # RecursionError and MemoryError included
+        # A template that indexes a missing key, concatenates None, divides by zero or
+        # recurses without end fails with a Python error: the model file's or the
+        # caller's problem, reported as such, never an engine crash.
+        msg = str(e).splitlines()[0][:200] if str(e) else ""
+        raise ValueError(f"the chat template failed on this conversation: {type(e).__name__}: {msg}") from e

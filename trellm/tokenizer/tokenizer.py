@@ -381,7 +381,9 @@ def _read_json(path: Path) -> dict | None:
     try:
         with open(path, encoding="utf-8") as f:
             data = json.load(f)
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+    except RecursionError as e:
+        raise ModelLoadError(f"{path} is not readable JSON: nested too deeply") from e
+    except (OSError, ValueError) as e:  # ValueError: JSONDecodeError, UnicodeDecodeError, long ints
         raise ModelLoadError(f"{path} is not readable JSON: {first_line(e)}") from e
     if not isinstance(data, dict):
         raise ModelLoadError(f"{path} does not hold a JSON object")

@@ -81,6 +81,10 @@ def build_worker(config: EngineConfig) -> WorkerInfo:
     packed = keep_q4 and _all_linears_q4(ckpt)
     if packed:
         arch = replace(arch, quantization_config={"quant_method": "gguf_q4"})
+    if mc.max_model_len is not None and mc.max_model_len > arch.max_position_embeddings:
+        # As vLLM: positions past the trained context are not something to run silently.
+        raise ModelLoadError(f"--max-model-len {mc.max_model_len} exceeds the model's context length "
+                             f"{arch.max_position_embeddings} (max_position_embeddings in {ckpt.source})")
     max_len = mc.max_model_len or arch.max_position_embeddings
     model = _load_model(ckpt, arch, dtype, device, max_len, mc.seed, dequantize_q4=keep_q4 and not packed)
     if packed:
@@ -200,8 +204,14 @@ def _all_linears_q4(ckpt: Checkpoint) -> bool:
 def _load_model(ckpt: Checkpoint, arch: ArchConfig, dtype, device, max_len: int, seed: int,
                 dequantize_q4: bool = False):
     cls = get_model_class(arch.architecture)
-    with torch.device(device):
-        model = cls(arch, dtype, max_len)
+    try:
+        with torch.device(device):
+            model = cls(arch, dtype, max_len)
+    except ValueError as e:  # e.g. a rope_scaling the model cannot use
+        raise ModelLoadError(f"{ckpt.source}: {e}") from None
+    except (RuntimeError, MemoryError) as e:  # torch's allocation failures (OutOfMemoryError included)
+        raise ModelLoadError(f"{ckpt.source}: not enough memory to build the model on {device}: "
+                             f"{str(e).splitlines()[0][:160]}") from None
     try:
         if ckpt.dummy:
             from trellm.model.llama import dummy_weights

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 
 
@@ -62,6 +63,8 @@ def run_quantize(a: argparse.Namespace) -> int:
 
     if a.wrap_window < 2 or a.scale_samples < 1:
         raise ValueError("--wrap-window must be >= 2 and --scale-samples >= 1")
+    if os.path.exists(a.out) and not os.path.isdir(a.out):
+        raise ValueError(f"--out {a.out} exists and is not a directory")
     if a.threads is not None:
         torch.set_num_threads(max(1, a.threads))
     result = quantize_model(a.model, a.out, options_from_args(a))
