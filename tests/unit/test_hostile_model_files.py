@@ -123,3 +123,12 @@ def test_quantize_out_that_is_a_file_is_one_error(tmp_path, capsys):
     err = capsys.readouterr().err
     assert "exists and is not a directory" in err and "Traceback" not in err
     assert Path(out).read_text() == "x"
+
+
+def test_integer_weights_where_floats_belong_are_refused():
+    import torch
+
+    from trellm.layers.linear import check_float
+    with pytest.raises(ValueError, match="expects floating point"):
+        check_float(torch.zeros(2, 2, dtype=torch.int32), "model.embed_tokens.weight", torch.zeros(2, 2))
+    check_float(torch.zeros(2, 2, dtype=torch.float16), "ok", torch.zeros(2, 2))  # floats of any width load

@@ -55,4 +55,12 @@ class MergedLinear(Linear):
 def _copy_checked(dst: torch.Tensor, src: torch.Tensor, what: str) -> None:
     if tuple(dst.shape) != tuple(src.shape):
         raise ValueError(f"shape mismatch for {what}: checkpoint {tuple(src.shape)}, model {tuple(dst.shape)}")
+    check_float(src, what, dst)
     dst.copy_(src.to(dst.dtype))
+
+
+def check_float(src: torch.Tensor, what: str, dst: torch.Tensor) -> None:
+    """An integer tensor where the model holds floats is a wrong or damaged file, not
+    something to cast (int32 token-table bits would load as garbage weights)."""
+    if dst.is_floating_point() and not src.is_floating_point():
+        raise ValueError(f"{what}: checkpoint dtype {src.dtype} where the model expects floating point")

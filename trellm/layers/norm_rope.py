@@ -33,6 +33,8 @@ class RMSNorm(torch.nn.Module):
     def weight_loader(self, param_name: str, tensor: torch.Tensor, shard: int | None = None) -> None:
         if tuple(tensor.shape) != tuple(self.weight.shape):
             raise ValueError(f"shape mismatch for norm weight: {tuple(tensor.shape)} vs {tuple(self.weight.shape)}")
+        if not tensor.is_floating_point():
+            raise ValueError(f"norm weight: checkpoint dtype {tensor.dtype} where the model expects floating point")
         self.weight.data.copy_(tensor.to(self.weight.dtype))
 
 

@@ -12,7 +12,7 @@ import torch
 import torch.nn.functional as F
 
 from trellm.kernels.gemv import gemv
-from trellm.layers.linear import Linear, MergedLinear
+from trellm.layers.linear import Linear, MergedLinear, check_float
 from trellm.layers.norm_rope import RMSNorm, RotaryEmbedding
 from trellm.model.config import ArchConfig
 from trellm.quant.base import get_lm_head_method, get_linear_method
@@ -196,6 +196,7 @@ class LlamaForCausalLM(torch.nn.Module):
                 if tuple(param.shape) != tuple(tensor.shape):
                     raise ValueError(f"shape mismatch for {name}: checkpoint {tuple(tensor.shape)}, "
                                      f"model {tuple(param.shape)}")
+                check_float(tensor, name, param)
                 param.data.copy_(tensor.to(param.dtype))
             loaded.add(f"{key}#{shard}")
         self._check_all_loaded(loaded)

@@ -409,7 +409,10 @@ def _hf_chat_template(folder: Path, cfg: dict) -> str | None:
     """The template: chat_template.jinja, then chat_template.json, then tokenizer_config."""
     jinja = folder / "chat_template.jinja"
     if jinja.is_file():
-        return jinja.read_text(encoding="utf-8")
+        try:
+            return jinja.read_text(encoding="utf-8")
+        except (OSError, UnicodeDecodeError) as e:
+            raise ModelLoadError(f"{jinja} is not readable UTF-8 text: {first_line(e)}") from e
     side = _read_json(folder / "chat_template.json") or {}
     template = side.get("chat_template", cfg.get("chat_template"))
     if isinstance(template, list):
