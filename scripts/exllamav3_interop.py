@@ -86,7 +86,7 @@ def exllamav3_logits(model_dir: Path, ids: torch.Tensor) -> torch.Tensor:
 
     config = Config.from_directory(str(model_dir))
     model = Model.from_config(config)
-    model.load()
+    model.load(device="cuda:0", max_output_size=len(ids))
     try:
         out = model.forward(ids[None].cpu(), {"attn_mode": "flash_attn_nc"})
         return out[0, :, :CONFIG["vocab_size"]].float().cpu()
