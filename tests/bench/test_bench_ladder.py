@@ -59,6 +59,8 @@ def test_needle_question_and_judging():
     assert re.fullmatch(r"\d{4}", n.code) and n.color in n.fact and n.code in n.fact
     assert n.code not in n.question and n.color in n.question
     assert n.found_in(f"The code is {n.code}.") and not n.found_in("I do not know.")
+    # A whole number only: the code inside a longer one is not a retrieval.
+    assert not n.found_in(f"The code is 9{n.code}.") and not n.found_in(f"{n.code}7")
     msg = user_message("amber-onyx-lark", "hay " + n.fact + " stack", n)
     assert msg.startswith("Document amber-onyx-lark.") and msg.endswith(n.question)
     assert Needle("blue", "4817").fact == "The secret code of the blue door is 4817."
@@ -157,3 +159,11 @@ def test_unreachable_server_is_a_one_line_error(capsys, default_gguf):
     assert code == 1
     lines = [ln for ln in err.splitlines() if ln.startswith("trellm: error:")]
     assert len(lines) == 1 and f"127.0.0.1:{port}" in lines[0] and "Traceback" not in err
+
+
+def test_stream_chunk_reports_a_finish_without_text():
+    # An EOS-ended turn's last chunk has no text but a finish_reason: the ladder's decode
+    # window must run to it, since the server's usage counts that token.
+    from trellm.bench.ladder import _chunk
+    assert _chunk('{"choices": [{"delta": {}, "finish_reason": "stop"}]}') == ("", None, True)
+    assert _chunk('{"choices": [{"delta": {"content": "a"}, "finish_reason": null}]}') == ("a", None, False)

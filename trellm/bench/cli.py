@@ -114,9 +114,15 @@ def run_latency(args: argparse.Namespace) -> int:
 def run_summarize(args: argparse.Namespace) -> int:
     from trellm.bench.plots import plot_latency
 
-    rows, lines = [], []
+    rows, lines, spec = [], [], None
     for path in args.results:
         data = json.loads(Path(path).read_text())
+        keys = ("prompt_len", "prefill_len", "concurrency")
+        this = {k: (data.get("spec") or {}).get(k) for k in keys}
+        if spec is not None and this != spec:
+            raise ValueError(f"{path} was run with {this}, the files before it with {spec}: "
+                             f"summarize results of one bench spec at a time")
+        spec = this
         for r in data["results"]:
             engine = r["engine"]
             label = f"trellm {data.get('label') or data['dtype']}" if engine == "trellm" else f"transformers {data['dtype']}"
@@ -124,8 +130,9 @@ def run_summarize(args: argparse.Namespace) -> int:
                 continue
             rows.append({"label": label, **r})
             lines.append((label, r, data["command"]))
-    md = ["| engine / weights | TTFT ms (128-token prompt) | decode tok/s, 1 stream | prefill tok/s (512) "
-          "| aggregate tok/s, 8 concurrent | aggregate decode tok/s | command |",
+    md = [f"| engine / weights | TTFT ms ({spec['prompt_len']}-token prompt) | decode tok/s, 1 stream "
+          f"| prefill tok/s ({spec['prefill_len']}) | aggregate tok/s, {spec['concurrency']} concurrent "
+          f"| aggregate decode tok/s | command |",
           "|---|---|---|---|---|---|---|"]
     for label, r, cmd in lines:
         md.append(f"| {label} | {r['ttft_ms']:.0f} | {r['decode_tok_s']:.1f} | {r['prefill_tok_s']:.0f} | "
@@ -134,7 +141,7 @@ def run_summarize(args: argparse.Namespace) -> int:
         label, dec, pre = a.split(":")
         md.append(f"| {label} (quoted, not run here) | – | {dec} | {pre} | – | – | – |")
     Path(args.markdown).write_text("\n".join(md) + "\n")
-    plot_latency(rows, args.title, args.png)
+    plot_latency(rows, args.title, args.png, spec)
     print("\n".join(md))
     print(f"wrote {args.markdown} and {args.png}")
     return 0

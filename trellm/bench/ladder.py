@@ -114,6 +114,7 @@ class ChatClient:
                 "stream": True, "stream_options": {"include_usage": True}}
         t0 = time.perf_counter()
         times: list[float] = []
+        end = 0.0
         parts: list[str] = []
         usage: dict = {}
         try:
@@ -123,11 +124,15 @@ class ChatClient:
                 async for data in sse_data(r.aiter_lines()):
                     if data.strip() == "[DONE]":
                         break
-                    text, chunk_usage = _chunk(data)
+                    text, chunk_usage, finished = _chunk(data)
                     usage = chunk_usage or usage
                     if text:
                         times.append(time.perf_counter() - t0)
                         parts.append(text)
+                    elif finished and times:
+                        # A turn ending on EOS: that token has no text, but usage counts
+                        # it, so its time belongs in the decode window too.
+                        end = time.perf_counter() - t0
         except httpx.HTTPError as e:
             raise LadderError(f"{self.root}: {type(e).__name__}: {first_line(e)}") from e
         if not times:
@@ -135,7 +140,7 @@ class ChatClient:
         # Servers that send no usage: one chunk per token is the best guess left.
         n = usage.get("completion_tokens") if isinstance(usage.get("completion_tokens"), int) else len(times)
         prompt = usage.get("prompt_tokens") if isinstance(usage.get("prompt_tokens"), int) else None
-        return Turn("".join(parts), times[0], times[-1], n, prompt)
+        return Turn("".join(parts), times[0], max(times[-1], end), n, prompt)
 
     async def max_model_len(self) -> int | None:
         """What GET /v1/models says of the model's context (vLLM and trellm do), else None."""
@@ -151,7 +156,8 @@ class ChatClient:
         await self.http.aclose()
 
 
-def _chunk(data: str) -> tuple[str, dict | None]:
+def _chunk(data: str) -> tuple[str, dict | None, bool]:
+    """(text, usage, whether a choice finished) of one stream chunk."""
     try:
         chunk = json.loads(data)
     except ValueError as e:
@@ -162,12 +168,13 @@ def _chunk(data: str) -> tuple[str, dict | None]:
         err = chunk["error"]
         msg = err.get("message", err) if isinstance(err, dict) else err
         raise LadderError(f"the server ended a stream with an error: {msg}")
-    text = ""
+    text, finished = "", False
     for choice in chunk.get("choices") or ():
         delta = (choice or {}).get("delta") or {}
         text += (delta.get("reasoning_content") or "") + (delta.get("content") or "")
+        finished = finished or bool((choice or {}).get("finish_reason"))
     usage = chunk.get("usage")
-    return text, usage if isinstance(usage, dict) else None
+    return text, usage if isinstance(usage, dict) else None, finished
 
 
 @dataclass(frozen=True)

@@ -40,14 +40,22 @@ def _run_cell(llm: LLM, prompt_len: int, batch: int, gen_len: int, seed: int) ->
         eng.add_request(rid, None, params, prompt_token_ids=p)
     first: dict[str, float] = {}
     done: dict[str, float] = {}
+    tokens: dict[str, int] = {}
+    at_last_first = None
     while eng.has_unfinished_requests():
         for out in eng.step():
             now = time.perf_counter() - t0
+            tokens[out.request_id] = len(out.outputs[0].token_ids)
             if out.outputs[0].token_ids and out.request_id not in first:
                 first[out.request_id] = now
             if out.finished:
                 done[out.request_id] = now
+        if at_last_first is None and len(first) == batch:
+            # The aggregate window starts here: count only the tokens made inside it
+            # (early requests decode while later prompts are still in prefill).
+            at_last_first = sum(tokens.values())
     wall = time.perf_counter() - t0
+    in_window = sum(tokens.values()) - (at_last_first if at_last_first is not None else sum(tokens.values()))
     last_first = max(first.values())
     per_stream = [(gen_len - 1) / (done[r] - first[r]) for r in ids if done[r] > first[r]]
     return GridCell(
@@ -55,7 +63,7 @@ def _run_cell(llm: LLM, prompt_len: int, batch: int, gen_len: int, seed: int) ->
         ttft_ms_mean=sum(first.values()) / batch * 1e3, ttft_ms_max=last_first * 1e3,
         prefill_tok_s=prompt_len * batch / last_first,
         decode_tok_s_per_stream=sum(per_stream) / len(per_stream) if per_stream else 0.0,
-        aggregate_decode_tok_s=batch * (gen_len - 1) / (wall - last_first) if wall > last_first else 0.0,
+        aggregate_decode_tok_s=in_window / (wall - last_first) if wall > last_first else 0.0,
         wall_s=wall)
 
 

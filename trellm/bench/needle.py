@@ -9,6 +9,7 @@ local tokenizer; the filler is trimmed to the target token count.
 from __future__ import annotations
 
 import random
+import re
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -113,7 +114,8 @@ class Needle:
         return f"What is the secret code of the {self.color} door? Answer with the number only."
 
     def found_in(self, answer: str) -> bool:
-        return self.code in answer
+        # The code as a whole number: "51234" or "12345" does not contain the code 1234.
+        return re.search(rf"(?<!\d){re.escape(self.code)}(?!\d)", answer) is not None
 
 
 _COLORS = ["blue", "red", "green", "yellow", "purple", "orange", "silver", "golden", "white", "black"]

@@ -4,17 +4,19 @@ from __future__ import annotations
 from pathlib import Path
 
 
-def plot_latency(rows: list[dict], title: str, path: str | Path) -> None:
+def plot_latency(rows: list[dict], title: str, path: str | Path, spec: dict | None = None) -> None:
     """Grouped bars: single-stream decode, aggregate decode and prefill tok/s per engine row.
-    Each row: {"label": str, "decode_tok_s", "aggregate_decode_tok_s", "prefill_tok_s"}."""
+    Each row: {"label": str, "decode_tok_s", "aggregate_decode_tok_s", "prefill_tok_s"};
+    ``spec``: the bench's {"concurrency", "prefill_len"} for the axis titles."""
+    spec = spec or {}
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
     metrics = [("decode_tok_s", "decode tok/s\n(1 stream, TTFT excluded)"),
-               ("aggregate_decode_tok_s", "aggregate decode tok/s\n(8 concurrent)"),
-               ("prefill_tok_s", "prefill tok/s\n(512-token prompt)")]
+               ("aggregate_decode_tok_s", f"aggregate decode tok/s\n({spec.get('concurrency', '?')} concurrent)"),
+               ("prefill_tok_s", f"prefill tok/s\n({spec.get('prefill_len', '?')}-token prompt)")]
     fig, axes = plt.subplots(1, len(metrics), figsize=(4.2 * len(metrics), 4.2))
     colors = ["#2b6cb0", "#63b3ed", "#c05621", "#f6ad55", "#2f855a", "#9ae6b4"]
     for ax, (key, label) in zip(axes, metrics):

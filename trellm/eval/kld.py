@@ -128,12 +128,14 @@ def _method(model: torch.nn.Module, rtn: RTNSpec | None) -> str:
 
 def decoder_bpw(model: torch.nn.Module, method: str, rtn: RTNSpec | None) -> float | None:
     """Bits per decoder-linear weight: INT8 8 bits + an fp16-sized scale per row; RTN by
-    its formula; dense 16 (an fp16/bf16 checkpoint); EXL3 see ``exl3_checkpoint_bpw``.
+    its formula; dense: the bits of the weights as run (32 in float32, whatever the file
+    held: a GGUF Q4_1 loaded with ``none`` is dequantized); EXL3 see ``exl3_checkpoint_bpw``.
     The LM head and embeddings are not counted."""
     if rtn is not None:
         return rtn.bpw
     if method == "dense":
-        return 16.0
+        weight = getattr(_decoder_linears(model)[0], "weight", None)
+        return float(torch.finfo(weight.dtype).bits) if isinstance(weight, torch.Tensor) else None
     if method == "int8":
         linears = _decoder_linears(model)
         weights = sum(m.in_features * m.out_features for m in linears)
@@ -166,10 +168,9 @@ def exl3_checkpoint_bpw(path: str, arch) -> tuple[float | None, float | None]:
     for key in {k.rsplit(".", 1)[0] for k in shapes if k.endswith(".trellis")}:
         ti, to, words = shapes[f"{key}.trellis"]
         in_f, out_f = (dims[d] for d in _SHAPES[key.rsplit(".", 1)[1]])
-        scales = 16 * (shapes[f"{key}.suh"][0] + shapes[f"{key}.svh"][0])
         real += in_f * out_f
-        bits += words / 16 * in_f * out_f + scales
-        stored += ti * to * 256 * words / 16 + scales
+        bits += words / 16 * in_f * out_f + 16 * (in_f + out_f)  # the spec's sizes, unpadded
+        stored += ti * to * 256 * words / 16 + 16 * (shapes[f"{key}.suh"][0] + shapes[f"{key}.svh"][0])
     return (bits / real, stored / real) if real else (None, None)
 
 

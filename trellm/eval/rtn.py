@@ -54,7 +54,10 @@ def rtn_weight(w: torch.Tensor, spec: RTNSpec) -> torch.Tensor:
         raise ValueError(f"RTN group {spec.group} does not divide the input width {in_f}")
     g = w.float().reshape(out_f, in_f // spec.group, spec.group)
     top = (1 << spec.bits) - 1
-    lo, hi = g.amin(dim=-1, keepdim=True), g.amax(dim=-1, keepdim=True)
+    # The grid must hold 0 (asymmetric round-to-nearest as GPTQ's): a group of all-positive
+    # weights otherwise clamps its zero point and loses everything above the first step.
+    lo = g.amin(dim=-1, keepdim=True).clamp(max=0.0)
+    hi = g.amax(dim=-1, keepdim=True).clamp(min=0.0)
     scale = ((hi - lo) / top).half().float().clamp_min(torch.finfo(torch.float16).tiny)
     zero = torch.round(-lo / scale).clamp(0, top)
     q = torch.clamp(torch.round(g / scale) + zero, 0, top)
