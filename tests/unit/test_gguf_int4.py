@@ -256,29 +256,6 @@ def test_engine_keeps_q4_0_packed_and_falls_back_for_mixed_files(tmp_path):
     assert _built_method(str(tmp_path / "mixed.gguf")) == "none"  # loads: Q4 tensors dequantized
 
 
-@pytest.mark.parametrize("bf16_units", [True, False])
-def test_int4_path_pool_is_bf16_only_where_the_cpu_has_bf16_units(tmp_path, monkeypatch, bf16_units):
-    import trellm.worker.builder as builder
-    from trellm.attention.torch_paged import _sdpa_decode
-    from trellm.config import EngineConfig, ModelConfig
-
-    monkeypatch.setattr(builder, "cpu_bf16_dot", lambda: bf16_units)
-    _write_llama_gguf(tmp_path / "q4_0.gguf", "Q4_0")
-    packed = builder.build_worker(EngineConfig(model=ModelConfig(model=str(tmp_path / "q4_0.gguf"), device="cpu")))
-    dense = builder.build_worker(EngineConfig(model=ModelConfig(model=str(tmp_path / "q4_0.gguf"), device="cpu",
-                                                                quantization="none", dtype="float32")))
-    want = torch.bfloat16 if bf16_units else torch.float32
-    assert packed.runner.kv_caches[0].dtype == want
-    assert dense.runner.kv_caches[0].dtype == torch.float32  # the reference path never changes
-    # Decode attention on a bf16 pool: same result as float32 attention over the same keys,
-    # to bf16 precision, returned in the query's dtype.
-    g = torch.Generator().manual_seed(0)
-    q, k, v = (torch.randn(*s, generator=g) for s in ((2, 4, 16), (2, 2, 24, 16), (2, 2, 24, 16)))
-    got = _sdpa_decode(q, k.bfloat16(), v.bfloat16(), None, 0.25)
-    ref = _sdpa_decode(q, k.bfloat16().float(), v.bfloat16().float(), None, 0.25)
-    assert got.dtype == torch.float32 and torch.allclose(got, ref, atol=2e-2, rtol=2e-2)
-
-
 def test_quantization_is_validated():
     from trellm.config import EngineConfig, ModelConfig
 
