@@ -8,8 +8,6 @@ A step's tokens are flattened into one batch; requests whose query is one token
 """
 from __future__ import annotations
 
-import functools
-
 from dataclasses import dataclass
 
 import torch
@@ -99,9 +97,7 @@ def _attend(q: torch.Tensor, k: torch.Tensor | None, v: torch.Tensor | None, kv_
         out[d.token_index] = _decode(q[d.token_index], kv_cache, d, scale)
     for p in meta.prefills:
         sl = slice(p.q_start, p.q_start + p.q_len)
-        # The chunk's own K/V as the pool holds them (rounded to a bf16 pool's dtype), so
-        # a prompt attends the same whether its keys come fresh or from the cache.
-        fresh = (None, None) if k is None else (k[sl].to(kv_cache.dtype), v[sl].to(kv_cache.dtype))
+        fresh = (None, None) if k is None else (k[sl], v[sl])
         out[sl] = prefill_reference(q[sl], *fresh, kv_cache, p, scale)
     return out
 
@@ -164,26 +160,11 @@ def paged_decode_reference(q: torch.Tensor, kv_cache: torch.Tensor, block_table:
     return _sdpa_decode(q, kv[0], kv[1], mask, scale)
 
 
-@functools.cache
-def cpu_bf16_dot() -> bool:
-    """Whether this CPU has bf16 dot-product instructions (AVX512-BF16): where it does,
-    bf16 SDPA is faster than float32; where not (AVX2), far slower."""
-    check = getattr(torch.cpu, "_is_avx512_bf16_supported", None)
-    try:
-        return bool(check and check())
-    except Exception:  # a private helper: any failure means "don't rely on it"
-        return False
-
-
 def _sdpa_decode(q: torch.Tensor, keys: torch.Tensor, vals: torch.Tensor, mask: torch.Tensor | None,
                  scale: float) -> torch.Tensor:
     """q: [B, Hq, D]; keys, vals: [B, Hk, L, D]."""
-    if q.device.type != "cpu":
-        cdt = q.dtype
-    else:
-        # CPU SDPA in bf16 only on a bf16 pool where the CPU has bf16 units (the int4
-        # path's pool, builder.py); else float32, which is faster than bf16 without them.
-        cdt = torch.bfloat16 if keys.dtype == torch.bfloat16 and cpu_bf16_dot() else torch.float32
+    # CPU SDPA is slow in bf16/fp16 (no native units here): attend in float32 there.
+    cdt = torch.float32 if q.device.type == "cpu" else q.dtype
     b, hq, d = q.shape
     hk = keys.shape[1]
     # The G = Hq / Hk query heads of a KV head (consecutive, as enable_gqa pairs them) go

@@ -8,7 +8,6 @@ from dataclasses import dataclass, replace
 import torch
 
 from trellm.attention.registry import get_attention_backend
-from trellm.attention.torch_paged import cpu_bf16_dot
 from trellm.config import EngineConfig
 from trellm.kernels import fused_ops
 from trellm.loader.checkpoint import Checkpoint, open_checkpoint
@@ -95,20 +94,16 @@ def build_worker(config: EngineConfig) -> WorkerInfo:
     backend = get_attention_backend(device, dtype)
     # CUDA + Triton: the model's fused-kernel path, then decode graphs.
     ops = fused_ops(device) if backend.name == "triton" else None
-    # The int4 path's K/V in bf16 where the CPU has bf16 dot products: V is already bf16
-    # (the int4 matmul's output) and the decode attention then runs in bf16, ~10% more
-    # tokens/s at 8 streams and twice the tokens per MiB (docs/benchmarks/cpu/README.md).
-    kv_dtype = torch.bfloat16 if packed and cpu_bf16_dot() else dtype
-    num_blocks = _num_blocks(config, arch, kv_dtype, device,
+    num_blocks = _num_blocks(config, arch, dtype, device,
                              lambda: profile_step_bytes(model, backend, ops, config.scheduler.max_num_batched_tokens,
                                                         cc.block_size, arch.num_kv_heads, arch.head_dim,
                                                         arch.num_layers, dtype, device, max_len))
     shape = (2, num_blocks, cc.block_size, arch.num_kv_heads, arch.head_dim)
     try:
-        kv_caches = [torch.zeros(shape, dtype=kv_dtype, device=device) for _ in range(arch.num_layers)]
+        kv_caches = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(arch.num_layers)]
     except (RuntimeError, MemoryError) as e:  # torch raises RuntimeError (or OutOfMemoryError) when it cannot
         raise ModelLoadError(f"cannot allocate the KV cache ({num_blocks} blocks of "
-                             f"{_bytes_per_block(config, arch, kv_dtype) / 2**20:.2f} MiB): "
+                             f"{_bytes_per_block(config, arch, dtype) / 2**20:.2f} MiB): "
                              f"{str(e).splitlines()[0]}; lower --kv-cache-memory") from None
     eos = frozenset(arch.eos_token_ids) | (ckpt.tokenizer.eos_token_ids if ckpt.tokenizer else frozenset())
     runner = ModelRunner(model, backend, kv_caches, cc.block_size, eos, device)
@@ -123,10 +118,10 @@ def build_worker(config: EngineConfig) -> WorkerInfo:
                                          ops=runner.ops).capture()
     info = WorkerInfo(runner, ckpt, arch, max_len, num_blocks, cc.block_size, device, dtype,
                       time.perf_counter() - t0)
-    log.info("loaded %s (%s, %s, %s%s) in %.1fs; KV cache: %d blocks = %d tokens (%s); context %d",
+    log.info("loaded %s (%s, %s, %s%s) in %.1fs; KV cache: %d blocks = %d tokens; context %d",
              ckpt.source, arch.architecture, device.type, str(dtype).removeprefix("torch."),
              ", int4 linear weights" if packed else _quant_note(arch), info.load_seconds, num_blocks,
-             info.kv_capacity_tokens, str(kv_dtype).removeprefix("torch."), max_len)
+             info.kv_capacity_tokens, max_len)
     return info
 
 
