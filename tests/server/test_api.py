@@ -24,7 +24,8 @@ from trellm import LLM, SamplingParams
 # ---- auth -----------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("method, path", [("GET", "/v1/models"), ("GET", "/metrics"), ("POST", "/tokenize"),
+@pytest.mark.parametrize("method, path", [("GET", "/v1/models"), ("GET", f"/v1/models/{MODEL_NAME}"),
+                                          ("GET", "/metrics"), ("POST", "/tokenize"),
                                           ("POST", "/v1/completions"), ("POST", "/v1/chat/completions"),
                                           ("GET", "/tokenizer_info"), ("GET", "/openapi.json"),
                                           ("GET", "/no/such/route")])
@@ -43,6 +44,9 @@ def test_health_is_open_and_models_work_with_key(server):
     assert r.status_code == 200 and r.json() == {"status": "ok"}
     with server.client() as c:
         assert c.get("/v1/models").json()["data"][0]["max_model_len"] == MAX_MODEL_LEN
+        card = c.get(f"/v1/models/{MODEL_NAME}").json()  # the SDK's models.retrieve
+        assert card["id"] == MODEL_NAME and card["object"] == "model"
+        assert_openai_error(c.get("/v1/models/no-such-model"), 404, "model")
 
 
 # ---- metrics --------------------------------------------------------------------------------
@@ -222,3 +226,30 @@ def test_stream_sse_framing(server):
     payloads = [json.loads(e[len("data: "):]) for e in events[:-1]]
     assert all(p["object"] == "chat.completion.chunk" for p in payloads)
     assert payloads[-1]["choices"][0]["finish_reason"] in ("stop", "length")
+
+
+def _events(server, path: str, body: dict) -> list[dict]:
+    with server.client() as c, c.stream("POST", path, json=body) as r:
+        assert r.status_code == 200
+        lines = [line for line in r.iter_lines() if line.startswith("data: {")]
+    return [json.loads(line[len("data: "):]) for line in lines]
+
+
+@pytest.mark.parametrize("path,body", [
+    ("/v1/chat/completions", chat_body(n=3, max_tokens=4, temperature=1.0, seed=3, stream=True,
+                                       stream_options={"include_usage": True})),
+    ("/v1/completions", completion_body(prompt="Hi", n=3, max_tokens=3, temperature=1.0, seed=3, stream=True,
+                                        stream_options={"include_usage": True})),
+])
+def test_stream_n3_one_finish_per_choice_and_null_keys(server, path, body):
+    # OpenAI's stream shape: exactly one finishing chunk per choice (a finished choice is
+    # not repeated while its siblings go on), every choice object carries "finish_reason"
+    # and "logprobs" (null until set), and with include_usage every chunk carries "usage".
+    events = _events(server, path, body)
+    finishes = [ch["index"] for e in events for ch in e["choices"] if ch.get("finish_reason")]
+    assert sorted(finishes) == [0, 1, 2]
+    for e in events:
+        assert "usage" in e
+        for ch in e["choices"]:
+            assert "finish_reason" in ch and "logprobs" in ch
+    assert events[-1]["choices"] == [] and events[-1]["usage"]["completion_tokens"] > 0

@@ -141,6 +141,14 @@ def _add_routes(app: FastAPI, ctx: ServingContext, metrics: ServerMetrics, prote
         cards = [ModelCard(id=n, created=created, max_model_len=engine.max_model_len) for n in ctx.model_names]
         return JSONResponse(ModelList(data=cards).model_dump())
 
+    @app.get("/v1/models/{model_id:path}", response_model=None, dependencies=protected, responses=ok(ModelCard))
+    async def model(model_id: str) -> Response:
+        # OpenAI's retrieve: the SDK's client.models.retrieve(name). ":path" since served
+        # names may hold a slash (org/model); the id is only compared against the list.
+        ctx.check_model(model_id)
+        card = ModelCard(id=model_id, created=int(time.time()), max_model_len=engine.max_model_len)
+        return JSONResponse(card.model_dump())
+
     @app.post("/v1/completions", response_model=None, dependencies=protected,
               responses=generation_ok(CompletionResponse, CompletionResponse))
     async def completions(body: CompletionRequest, request: Request) -> Response:

@@ -7,6 +7,7 @@ Special-token text inside message content is tokenized as plain text
 """
 from __future__ import annotations
 
+import json
 import time
 from typing import AsyncIterator, Sequence
 
@@ -114,15 +115,27 @@ async def _stream(ctx: ServingContext, req: ChatCompletionRequest, rid: str, str
                   text_of: TokenText) -> AsyncIterator[str]:
     created = int(time.time())
 
+    with_usage = bool(req.stream_options and req.stream_options.include_usage)
+
     def chunk(choices: list[ChatChunkChoice], usage_=None) -> str:
         c = ChatCompletionChunk(id=rid, created=created, model=ctx.model_name, choices=choices, usage=usage_)
-        return sse(c.model_dump_json(exclude_none=True))
+        # Deltas carry only what changed, but a choice always has "logprobs" and
+        # "finish_reason" (null until set) and, with include_usage, every chunk has
+        # "usage" (null until the last): OpenAI's shape, which raw-JSON clients index.
+        body = c.model_dump(exclude_none=True)
+        for ch in body["choices"]:
+            ch.setdefault("logprobs", None)
+            ch.setdefault("finish_reason", None)
+        if with_usage:
+            body.setdefault("usage", None)
+        return sse(json.dumps(body, ensure_ascii=False, separators=(",", ":")))
 
     # OpenAI opens each choice with the role and an empty content.
     yield chunk([ChatChunkChoice(index=i, delta=DeltaMessage(role="assistant", content=""))
                  for i in range(req.n)])
     sent_text = [0] * req.n
     sent_tokens = [0] * req.n
+    ended = [False] * req.n  # a choice's finish_reason goes out once
     final = None
     try:
         async for out in stream:
@@ -130,8 +143,9 @@ async def _stream(ctx: ServingContext, req: ChatCompletionRequest, rid: str, str
             for c in out.outputs:
                 delta = c.text[sent_text[c.index]:]
                 new_tokens = len(c.token_ids) > sent_tokens[c.index]
-                if not (delta or new_tokens or c.finished):
+                if ended[c.index] or not (delta or new_tokens or c.finished):
                     continue
+                ended[c.index] = c.finished
                 lps = _logprobs(c.token_ids, c.logprobs, sent_tokens[c.index], text_of) if req.logprobs else None
                 sent_text[c.index], sent_tokens[c.index] = len(c.text), len(c.token_ids)
                 choices.append(ChatChunkChoice(index=c.index, delta=DeltaMessage(content=delta or None),
@@ -142,5 +156,5 @@ async def _stream(ctx: ServingContext, req: ChatCompletionRequest, rid: str, str
                 final = out
     finally:
         ctx.engine.abort(rid)
-    if final is not None and req.stream_options and req.stream_options.include_usage:
+    if final is not None and with_usage:
         yield chunk([], usage([final]))

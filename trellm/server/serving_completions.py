@@ -207,6 +207,7 @@ async def _stream(ctx: ServingContext, req: CompletionRequest, rid: str, streams
     sent_text: dict[int, int] = {}
     sent_tokens: dict[int, int] = {}
     finals: dict[int, RequestOutput] = {}
+    ended: set[int] = set()  # a choice's finish_reason goes out once
     try:
         async for i, out in _merge(streams):
             choices = []
@@ -214,12 +215,16 @@ async def _stream(ctx: ServingContext, req: CompletionRequest, rid: str, streams
                 if not c.token_ids and c.finish_reason is None:
                     continue  # prompt still computing (possibly with partial prompt log-probs)
                 idx = view.index(i, c)
+                if idx in ended:
+                    continue
                 first = idx not in sent_text
                 text = "" if view.score_only else c.text[sent_text.get(idx, 0):]
                 new_tokens = len(c.token_ids) - sent_tokens.get(idx, 0)
                 finish = _finish(c.finish_reason, view.score_only)
                 if not (first or text or new_tokens > 0 or finish):
                     continue
+                if finish:
+                    ended.add(idx)
                 if first and req.echo:
                     text = view.echo_text(i) + text
                 logprobs = view.logprobs(i, out, c, sent_tokens.get(idx, 0))
