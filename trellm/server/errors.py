@@ -114,6 +114,11 @@ def _most_telling(errors: list[dict]) -> dict:
     return errors[0]
 
 
+_UNSUPPORTED_FEATURES = {"tools": "tool calling", "tool_choice": "tool calling",
+                         "response_format": "structured output (a response_format other than text)"}
+"""Fields accepted only in their "off" form: what to call the feature a request asked for."""
+
+
 def _validation_message(errors: list[dict]) -> tuple[str, str | None]:
     first = _most_telling(errors) if errors else {"msg": "invalid request", "loc": ()}
     param = validation_param(tuple(first.get("loc", ())))
@@ -127,6 +132,11 @@ def _validation_message(errors: list[dict]) -> tuple[str, str | None]:
     if first.get("type") == "none_required" and param is not None:
         # Fields declared only to refuse them (protocol.Unsupported).
         return f"{param} is not supported by this server", param
+    feature = _UNSUPPORTED_FEATURES.get((param or "").split(".")[0].split("[")[0])
+    if feature is not None:
+        return f"{feature} is not supported by this server ({param}: {msg})", param
+    if first.get("type") == "value_error":
+        msg = msg.removeprefix("Value error, ")  # pydantic's prefix on our own validators' messages
     text = f"{param}: {msg}" if param else msg
     if len(errors) > 1:
         text += f" (and {len(errors) - 1} more problem{'s' if len(errors) > 2 else ''})"
