@@ -253,3 +253,16 @@ def test_stream_n3_one_finish_per_choice_and_null_keys(server, path, body):
         for ch in e["choices"]:
             assert "finish_reason" in ch and "logprobs" in ch
     assert events[-1]["choices"] == [] and events[-1]["usage"]["completion_tokens"] > 0
+
+
+def test_echo_of_token_ids_keeps_special_tokens_and_offsets(server):
+    # Prompt ids 1, 2, 3 are special tokens in SmolLM2's vocabulary: echo shows them as the
+    # token list does, so every text_offset indexes the returned text.
+    with server.client() as c:
+        r = c.post("/v1/completions", json=completion_body(prompt=[1, 2, 3], echo=True, logprobs=1, max_tokens=2,
+                                                           temperature=0))
+    choice = r.json()["choices"][0]
+    lp = choice["logprobs"]
+    assert choice["text"].startswith("".join(lp["tokens"][:3]))
+    for tok, off in zip(lp["tokens"], lp["text_offset"]):
+        assert choice["text"][off:off + len(tok)] == tok or "\ufffd" in tok

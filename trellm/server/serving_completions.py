@@ -124,7 +124,10 @@ class _View:
         if i not in self._echo_text:
             p = self.prompts[i]
             tok = self.ctx.engine.tokenizer
-            self._echo_text[i] = p.text if p.text is not None else (tok.decode(p.ids) if tok else "")
+            # Token ids echo as decoded with their special tokens, as the listed tokens
+            # (and their text_offsets) show them; vLLM does the same.
+            self._echo_text[i] = p.text if p.text is not None else (
+                tok.decode(p.ids, skip_special_tokens=False) if tok else "")
         return self._echo_text[i]
 
     def index(self, prompt_index: int, c: CompletionOutput) -> int:
