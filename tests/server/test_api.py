@@ -115,6 +115,10 @@ def test_error_shapes(server):
                             "logit_bias")
         err = assert_openai_error(c.post("/v1/completions", json=completion_body(prompt="word " * 600)), 400)
         assert err["code"] == "context_length_exceeded"
+        # The error names the field the client sent (max_completion_tokens, not max_tokens).
+        err = assert_openai_error(c.post("/v1/chat/completions", json=chat_body(max_completion_tokens=MAX_MODEL_LEN)),
+                                  400, "max_completion_tokens")
+        assert err["code"] == "context_length_exceeded"
         assert_openai_error(c.post("/v1/chat/completions", json=chat_body(stream_options={"include_usage": True})),
                             400)
         assert_openai_error(c.post("/v1/chat/completions", json={"model": MODEL_NAME, "messages": []}), 400,

@@ -122,7 +122,7 @@ def sampling_params(req: SamplingFields, *, max_tokens: int, logprobs: int | Non
 
 
 def output_budget(ctx: ServingContext, num_prompt_tokens: int, requested: int | None, *,
-                  prompt_param: str) -> int:
+                  prompt_param: str, limit_param: str = "max_tokens") -> int:
     """max_tokens to use: as requested, or what is left of the context when omitted.
 
     Raises a 400 ``context_length_exceeded`` naming both numbers, never truncating."""
@@ -136,7 +136,7 @@ def output_budget(ctx: ServingContext, num_prompt_tokens: int, requested: int | 
                 param=prompt_param, code="context_length_exceeded")
         return requested
     if num_prompt_tokens + requested > limit:
-        param = prompt_param if num_prompt_tokens >= limit else "max_tokens"
+        param = prompt_param if num_prompt_tokens >= limit else limit_param
         raise bad_request(
             f"This model's maximum context length is {limit} tokens. However, you requested "
             f"{num_prompt_tokens + requested} tokens ({num_prompt_tokens} in the {prompt_param}, "

@@ -72,7 +72,9 @@ async def create_chat_completion(ctx: ServingContext, req: ChatCompletionRequest
     if not ids:
         raise bad_request("the conversation renders to an empty prompt", param="messages")
     limit = req.output_limit()
-    max_tokens = output_budget(ctx, len(ids), limit, prompt_param="messages")
+    # Name the field the client sent: the newer max_completion_tokens wins over max_tokens.
+    limit_param = "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens"
+    max_tokens = output_budget(ctx, len(ids), limit, prompt_param="messages", limit_param=limit_param)
     params = sampling_params(req, max_tokens=max_tokens, logprobs=top_n)
     rid = ctx.engine.new_request_id("chatcmpl")
     (stream,) = await add_all(ctx, [NewRequest(rid, None, params, ids)])
