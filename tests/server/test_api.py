@@ -270,3 +270,15 @@ def test_echo_of_token_ids_keeps_special_tokens_and_offsets(server):
     assert choice["text"].startswith("".join(lp["tokens"][:3]))
     for tok, off in zip(lp["tokens"], lp["text_offset"]):
         assert choice["text"][off:off + len(tok)] == tok or "\ufffd" in tok
+
+
+def test_chat_logprob_bytes_of_partial_characters_rebuild_them(server):
+    with server.client() as c:
+        r = c.post("/v1/chat/completions", json=chat_body(
+            "Repeat exactly: \U0001f600\U0001f603\U0001f604", max_tokens=24, temperature=0, logprobs=True))
+    content = r.json()["choices"][0]["logprobs"]["content"]
+    text = r.json()["choices"][0]["message"]["content"]
+    joined = bytes(b for e in content for b in e["bytes"]).decode("utf-8", errors="strict")
+    # The listing may end with the stop token (EOS), which the message text leaves out.
+    assert joined.startswith(text) and any("\ufffd" in e["token"] for e in content)
+    assert all(e["bytes"] != [239, 191, 189] for e in content if "\ufffd" in e["token"])

@@ -228,3 +228,14 @@ def test_unsupported_gguf_tokenizer(tmp_path):
     w.close()
     with pytest.raises(ModelLoadError, match="unsupported GGUF tokenizer model 'bert'"):
         Tokenizer.from_gguf(path)
+
+
+def test_token_bytes_rebuild_the_text_byte_for_byte(ours):
+    # OpenAI's logprob "bytes": a token holding part of a UTF-8 character gives its own
+    # bytes (the emoji below is split over two tokens), so joining them rebuilds the text.
+    text = "Emojis: \U0001f600\U0001f603 caf\u00e9 \u65e5\u672c\u8a9e"
+    ids = ours.encode(text, add_special_tokens=False)
+    pieces = [ours.token_bytes(i) for i in ids]
+    assert b"".join(pieces) == text.encode("utf-8")
+    assert any(len(p) and p != "\ufffd".encode() and "\ufffd" in ours.decode([i]) for p, i in zip(pieces, ids))
+    assert ours.token_bytes(ours.eos_token_id) == ours.decode([ours.eos_token_id], skip_special_tokens=False).encode()

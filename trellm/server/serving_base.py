@@ -291,6 +291,13 @@ class TokenText:
             self._cache[token_id] = s
         return s
 
+    def bytes(self, token_id: int) -> list[int]:
+        """The token's raw bytes (a piece of a multi-byte character gives its own bytes,
+        which a client joins to rebuild the character; its text shows U+FFFD)."""
+        if self._tok is None or not hasattr(self._tok, "token_bytes"):
+            return list(self(token_id).encode())
+        return list(self._tok.token_bytes(token_id))
+
 
 def top_dict(entry: TokenLogprobs, text: TokenText) -> dict[str, float]:
     """OpenAI's completions shape: the top-N alternatives plus the chosen token."""

@@ -107,9 +107,8 @@ def _logprobs(token_ids: Sequence[int], entries: Sequence[TokenLogprobs] | None,
     content = []
     for tid, e in zip(token_ids[start:], (entries or [])[start:]):
         s = text_of(tid)
-        top = [TopLogprob(token=text_of(t), logprob=finite(lp), bytes=list(text_of(t).encode()))
-               for t, lp in e.top]
-        content.append(TokenLogprob(token=s, logprob=finite(e.logprob), bytes=list(s.encode()), top_logprobs=top))
+        top = [TopLogprob(token=text_of(t), logprob=finite(lp), bytes=text_of.bytes(t)) for t, lp in e.top]
+        content.append(TokenLogprob(token=s, logprob=finite(e.logprob), bytes=text_of.bytes(tid), top_logprobs=top))
     return ChoiceLogprobs(content=content)
 
 

@@ -9,6 +9,7 @@ does, so both give the same ids as the reference for the same file.
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 from typing import Any, Iterable
 
@@ -140,6 +141,20 @@ class Tokenizer:
         from trellm.tokenizer.chat_encoding import encode_chat
 
         return encode_chat(self, messages, add_generation_prompt=add_generation_prompt, **kwargs)
+
+    def token_bytes(self, token_id: int) -> bytes:
+        """The raw bytes one token stands for (OpenAI's logprob ``bytes``): a byte-level
+        BPE piece through GPT-2's table, a SentencePiece ``<0xHH>`` byte as that byte;
+        else the token's decoded text. A token holding part of a UTF-8 character thus
+        gives its own bytes, not those of U+FFFD."""
+        piece = self.hf.id_to_token(token_id)
+        if piece is not None and token_id not in self._special:
+            if isinstance(self.hf.decoder, decoders.ByteLevel) and set(piece) <= _BYTE_OF.keys():
+                return bytes(_BYTE_OF[c] for c in piece)
+            m = _SP_BYTE.fullmatch(piece)
+            if m:
+                return bytes([int(m.group(1), 16)])
+        return self.decode([token_id], skip_special_tokens=False).encode("utf-8")
 
     def decode(self, ids: Iterable[int], skip_special_tokens: bool = True) -> str:
         ids = list(ids)
@@ -286,6 +301,11 @@ def _bytes_to_unicode() -> dict[int, str]:
             table[b] = chr(256 + extra)
             extra += 1
     return table
+
+
+_BYTE_OF = {ch: b for b, ch in _bytes_to_unicode().items()}
+"""GPT-2's printable character -> the byte it spells."""
+_SP_BYTE = re.compile(r"<0x([0-9A-Fa-f]{2})>")
 
 
 def _byte_level_bpe(tokens: list[str], merges: list[str], pre: str | None) -> tokenizers.Tokenizer:
