@@ -55,7 +55,8 @@ def _run_cell(llm: LLM, prompt_len: int, batch: int, gen_len: int, seed: int) ->
             # (early requests decode while later prompts are still in prefill).
             at_last_first = sum(tokens.values())
     wall = time.perf_counter() - t0
-    in_window = sum(tokens.values()) - (at_last_first if at_last_first is not None else sum(tokens.values()))
+    total = sum(tokens.values())
+    in_window = total - (total if at_last_first is None else at_last_first)
     last_first = max(first.values())
     per_stream = [(gen_len - 1) / (done[r] - first[r]) for r in ids if done[r] > first[r]]
     return GridCell(

@@ -10,6 +10,8 @@ import math
 
 import torch
 
+from trellm.layers.linear import check_float
+
 
 def rms_norm_reference(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """transformers' LlamaRMSNorm arithmetic: normalize in float32, cast back, then scale."""
@@ -33,8 +35,7 @@ class RMSNorm(torch.nn.Module):
     def weight_loader(self, param_name: str, tensor: torch.Tensor, shard: int | None = None) -> None:
         if tuple(tensor.shape) != tuple(self.weight.shape):
             raise ValueError(f"shape mismatch for norm weight: {tuple(tensor.shape)} vs {tuple(self.weight.shape)}")
-        if not tensor.is_floating_point():
-            raise ValueError(f"norm weight: checkpoint dtype {tensor.dtype} where the model expects floating point")
+        check_float(tensor, "norm weight", self.weight)
         self.weight.data.copy_(tensor.to(self.weight.dtype))
 
 

@@ -8,7 +8,6 @@ does, so both give the same ids as the reference for the same file.
 """
 from __future__ import annotations
 
-import json
 import re
 from pathlib import Path
 from typing import Any, Iterable
@@ -16,6 +15,7 @@ from typing import Any, Iterable
 import tokenizers
 from tokenizers import AddedToken, Regex, decoders, models, pre_tokenizers, processors
 
+from trellm.loader.checkpoint import read_json_object
 from trellm.loader.errors import ModelLoadError, first_line
 from trellm.tokenizer.chat_template import render_chat_template
 
@@ -396,18 +396,8 @@ def _set_post_processor(hf: tokenizers.Tokenizer, bos: str | None, bos_id: int |
 
 
 def _read_json(path: Path) -> dict | None:
-    if not path.is_file():
-        return None
-    try:
-        with open(path, encoding="utf-8") as f:
-            data = json.load(f)
-    except RecursionError as e:
-        raise ModelLoadError(f"{path} is not readable JSON: nested too deeply") from e
-    except (OSError, ValueError) as e:  # ValueError: JSONDecodeError, UnicodeDecodeError, long ints
-        raise ModelLoadError(f"{path} is not readable JSON: {first_line(e)}") from e
-    if not isinstance(data, dict):
-        raise ModelLoadError(f"{path} does not hold a JSON object")
-    return data
+    """The JSON object in ``path``, None when there is no such file (read_json_object's errors)."""
+    return read_json_object(path) if path.is_file() else None
 
 
 def _token_content(value: Any) -> str | None:
