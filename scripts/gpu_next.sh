@@ -6,7 +6,7 @@
 # Carry .whl (../shared/gpu/wheels.sh) and .gpu (../shared/gpu/configs/*.json copied in).
 set -uo pipefail
 out=${OUT:-/tmp/gpu-next}; mkdir -p "$out"
-python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl 2>/dev/null
+[ -d /tmp/site/fastapi ] || python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl 2>/dev/null
 export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1
 nvidia-smi --query-gpu=name,memory.total,clocks.max.sm --format=csv,noheader
 timeout 150 python3 -m pytest -q -p no:cacheprovider tests/kernels/test_exl3_kernels.py -x 2>&1 | tail -4
