@@ -84,6 +84,11 @@ VARIANTS: dict[str, tuple[FastConfig, tuple[int, ...]]] = {
     "row-16x4-asm": (FastConfig(tk=16, tn=4, dot=False, asm=True, row=True), (1,)),
     "row-8x4-asm-w8": (FastConfig(tk=8, tn=4, warps=8, dot=False, asm=True, row=True), (1,)),
     "row-8x4-asm-pps8": (FastConfig(tk=8, tn=4, dot=False, asm=True, row=True, programs_per_sm=8), (1,)),
+    # MUL1 weights not rounded to fp16 (exl3_row's AFF): ~6.2 instead of 8.6 instructions per weight.
+    "row-8x4-asm-aff": (FastConfig(tk=8, tn=4, dot=False, asm=True, row=True, affine=True), (1,)),
+    "row-16x4-asm-aff": (FastConfig(tk=16, tn=4, dot=False, asm=True, row=True, affine=True), (1,)),
+    "row-8x4-asm-aff-pps8": (FastConfig(tk=8, tn=4, dot=False, asm=True, row=True, affine=True,
+                                        programs_per_sm=8), (1,)),
     "mm-8x8-bm32": (FastConfig(tk=8, tn=8, block_m=32), (32,)),
     "mm-8x8-bm32-w8": (FastConfig(tk=8, tn=8, warps=8, block_m=32), (32,)),
     "mm-4x8-bm32": (FastConfig(tk=4, tn=8, block_m=32), (32,)),

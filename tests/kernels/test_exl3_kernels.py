@@ -149,6 +149,8 @@ FAST_ROWS = [
     (1, FastConfig(tk=8, tn=4, dot=False, split=True)),
     (1, FastConfig(tk=16, tn=4, dot=False, row=True)),  # exl3_row (G = 8: K <= 4), uneven K
     (1, FastConfig(tk=8, tn=2, dot=False, row=True)),
+    (1, FastConfig(tk=16, tn=4, dot=False, row=True, affine=True)),  # MUL1 unrounded (others: exact path)
+    (1, FastConfig(tk=8, tn=2, dot=False, row=True, affine=True, asm=True)),
     (3, FastConfig(tk=8, tn=4)),  # dot, 3 splits of one step
     (3, FastConfig(tk=8, tn=4, split=True)),
     (8, FastConfig(tk=8, tn=8, in_had=True)),  # input Hadamard fused
@@ -165,7 +167,7 @@ def _check_fast(f, rows, cfg, dtype=torch.float32, seed=0, want_parts=None):
     x = x.to(dtype)
     got = exl3_fast.fast_matmul(f, x, cfg)
     want = torch.cat([forward_reference(p, x.float()) for p in (want_parts or f.parts)], dim=-1).to(dtype)
-    tol = quant_tolerance(dtype, cfg.dot)
+    tol = quant_tolerance(dtype, cfg.dot or cfg.affine)
     _ok(compare(f"exl3_fast {cfg}", f"x={rows}", got, want, tol, dtype))
 
 
@@ -193,6 +195,7 @@ def test_fast_merged_parts_unpadded_bias_dtypes(device):
     _check_fast(f, 1, FastConfig(tk=8, tn=2, dot=False), want_parts=parts)
     _check_fast(f, 4, FastConfig(tk=4, tn=4, split=True), torch.bfloat16, want_parts=parts)
     _check_fast(f, 1, FastConfig(tk=4, tn=2, dot=False, row=True), want_parts=parts)  # part lookup
+    _check_fast(f, 1, FastConfig(tk=4, tn=2, dot=False, row=True, affine=True), want_parts=parts)
     # The parts are views of the fused trellis now; the per-part kernels still read them.
     _ok(qt.check_exl3_matmul(f.parts[2], 3, torch.float32, "gemv", BIG))
     _ok(qt.check_exl3_reconstruct(f.parts[1], block=ONE.reconstruct))

@@ -90,6 +90,9 @@ class FastConfig:
     gathered x rows instead (``_split_kernel``; not with in_had; dot needs tk >= 4, tn >= 2)."""
     row: bool = False
     """One row (FMA) only: exl3_row's coalesced kernel where G = 8 (K <= 4), else the split one."""
+    affine: bool = False
+    """With row, MUL1: weights not rounded to fp16 (exl3_row's AFF: ~5 instead of 8.6
+    instructions per weight; fp16-class tolerance instead of bit-exact weights)."""
     programs_per_sm: int = 4
     block_m: int = 16
     """Rows per program for the dot (16..64; M above it takes several row blocks)."""
@@ -413,6 +416,8 @@ def _check(cfg: FastConfig, m: int) -> None:
         raise ValueError(f"the split dot needs tk >= 4 and tn >= 2, got {cfg}")
     if cfg.row and cfg.dot:
         raise ValueError(f"row is the one-row FMA kernel (dot=False), got {cfg}")
+    if cfg.affine and not cfg.row:
+        raise ValueError(f"affine is a mode of the row kernel (row=True), got {cfg}")
 
 
 def fast_input_transform(f: EXL3Fused, x2: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
@@ -448,7 +453,8 @@ def fast_partials(f: EXL3Fused, x2: torch.Tensor, cfg: FastConfig) -> torch.Tens
         _row_kernel[(blocks_n, splits)](
             x, f.trellis.view(torch.int32), f.tile_part, out, ti, _tile_stride(f.trellis), f.padded_out, per,
             stride_xp, K=f.bits, CB=CODEBOOK_IDS[f.codebook], TK=cfg.tk, TN=cfg.tn, EVEN_K=ti % cfg.tk == 0,
-            ASM=_use_asm(cfg.asm, f.codebook), num_warps=cfg.warps, num_stages=cfg.stages)
+            ASM=_use_asm(cfg.asm, f.codebook), AFF=cfg.affine and f.codebook == "mul1", num_warps=cfg.warps,
+            num_stages=cfg.stages)
         return out
     consts = dict(K=f.bits, CB=CODEBOOK_IDS[f.codebook], G=GROUP[f.bits], TK=cfg.tk, TN=cfg.tn, BM=bm, DOT=cfg.dot,
                   EVEN_K=ti % cfg.tk == 0, ASM=_use_asm(cfg.asm, f.codebook), num_warps=cfg.warps,

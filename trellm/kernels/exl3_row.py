@@ -18,17 +18,47 @@ coalescing was not what bounds it either; an opt-in variant (FastConfig.row), no
 Group e of a tile holds sequence positions t = 8 e + J, J < 8: mma lane e, element J,
 so its weight J sits at tile row 8 ((J // 2) % 2) + 2 (e % 4) + J % 2 and column
 8 (J // 4) + e // 4 (exl3_fast's module docstring). Decode and codebook: exl3_fast's.
+
+``AFF`` (MUL1 only; ``FastConfig.affine``): MUL1's value is affine in the byte sum B of
+s M, w = k_inv B + c0 (c0 = 1024 k_inv + k_bias), rounded once to fp16. Skipping that
+rounding, a weight costs shift, mask, multiply, one dp4a and one FMA: the dp4a sums the
+bytes times 255 onto the float32 bits of 1.0, giving v = 1 + 255 B / 2^23 exactly
+(255 * 1020 < 2^23), and acc = sum x v. Then y = s (acc - X) + c0 X with s = k_inv 2^23 / 255
+and X = sum x over the split's rows (every column sums every row). The SASS of the
+rounded path spends 8.6 instructions per weight (an F2FP pack, an HADD2 unpack and the
+affine FFMA on top of these); this one ~5. The price: weights off their fp16 values by up
+to half an fp16 ulp (relative ~2.4e-4, random), and acc carries the constant 1 of each v,
+~64 times the B part, which costs ~6 of float32's 24 bits in the sums (measured in the
+tests: within fp16's tolerance, like the dot variants).
 """
 from __future__ import annotations
 
 from trellm.kernels._triton import tl, triton
 from trellm.kernels.exl3_fast import _weight
 
+K_INV = 0.00676727294921875  # fp16 0x1EEE
+C0 = tl.constexpr(1024 * K_INV - 10.3828125)  # 1024 k_inv + k_bias (fp16 0xC931) = -3.453125, exact
+AFF_SCALE = tl.constexpr(K_INV * 8388608.0 / 255.0)
+
+
+@triton.jit
+def _affine_v(p, sh, J: tl.constexpr, K: tl.constexpr, ASM: tl.constexpr):
+    """float32 1 + 255 B / 2^23 of weight J of each group (MUL1; B = byte sum of s M)."""
+    x = ((p >> (sh - J * K)) & 0xFFFF).to(tl.uint32) * 0x83DCD12D
+    if ASM:
+        f = tl.inline_asm_elementwise(
+            "{ .reg .u32 b255, one; mov.u32 b255, 4294967295; mov.u32 one, 1065353216;"
+            " dp4a.u32.u32 $0, $1, b255, one; }", "=r,r", [x], dtype=tl.uint32, is_pure=True, pack=1)
+    else:
+        pairs = (x & 0x00FF00FF) + ((x >> 8) & 0x00FF00FF)
+        f = ((pairs * 0x10001) >> 16) * 255 + 0x3F800000
+    return f.to(tl.float32, bitcast=True)
+
 
 @triton.jit(do_not_specialize=["per_split"])
 def _row_kernel(x_ptr, w_ptr, tile_part_ptr, out_ptr, TI, TJS, NP, per_split, stride_xp,
                 K: tl.constexpr, CB: tl.constexpr, TK: tl.constexpr, TN: tl.constexpr,
-                EVEN_K: tl.constexpr, ASM: tl.constexpr):
+                EVEN_K: tl.constexpr, ASM: tl.constexpr, AFF: tl.constexpr):
     """out[split, 0, block] = xh[the split's K rows] @ Wq[those rows, block] (float32), one row.
     Grid: (column blocks of 16 TN, splits). x: the part's transformed x, float32."""
     pid_n = tl.program_id(0)
@@ -47,6 +77,7 @@ def _row_kernel(x_ptr, w_ptr, tile_part_ptr, out_ptr, TI, TJS, NP, per_split, st
     xrow = 16 * tk + 2 * (e % 4)  # [32, TK, 1]: a group's x row within its tile, less J's part
     acc0 = tl.zeros((32, TK, TN), tl.float32)  # columns with J < 4 (cc3 = 0)
     acc1 = tl.zeros((32, TK, TN), tl.float32)  # J >= 4: 8 columns to the right
+    xsum = tl.zeros((TK * 16,), tl.float32)  # AFF: the split's x, summed per place in a step
     lo = pid_s * per_split
     for step in range(lo, tl.minimum(lo + per_split, tl.cdiv(TI, TK))):
         k0 = step * TK
@@ -59,8 +90,14 @@ def _row_kernel(x_ptr, w_ptr, tile_part_ptr, out_ptr, TI, TJS, NP, per_split, st
             a = tl.load(wp + offa, mask=wmask, other=0)
             b = tl.load(wp + offb, mask=wmask, other=0)
         p = (a.to(tl.uint32, bitcast=True).to(tl.uint64) << 32) | b.to(tl.uint32, bitcast=True).to(tl.uint64)
+        if AFF:
+            xr = k0 * 16 + tl.arange(0, TK * 16)
+            xsum += tl.load(x_ptr + xr, mask=xr < TI * 16, other=0.0)
         for J in tl.static_range(8):
-            v = _weight(p, sh, J, K, CB, ASM).to(tl.float32)
+            if AFF:
+                v = _affine_v(p, sh, J, K, ASM)
+            else:
+                v = _weight(p, sh, J, K, CB, ASM).to(tl.float32)
             rows = k0 * 16 + xrow + ((J % 2) + 8 * ((J // 2) % 2))
             if EVEN_K:
                 xv = tl.load(x_ptr + rows)
@@ -73,6 +110,10 @@ def _row_kernel(x_ptr, w_ptr, tile_part_ptr, out_ptr, TI, TJS, NP, per_split, st
     # Column 16 tn + 8 cc3 + c0 sums its tile rows (tk) and lanes' q = e % 4 (e = 4 c0 + q).
     y0 = tl.sum(tl.sum(tl.reshape(acc0, (8, 4, TK, TN)), 2), 1)  # [8 (c0), TN]
     y1 = tl.sum(tl.sum(tl.reshape(acc1, (8, 4, TK, TN)), 2), 1)
+    if AFF:
+        xt = tl.sum(xsum, 0)
+        y0 = AFF_SCALE * (y0 - xt) + C0 * xt
+        y1 = AFF_SCALE * (y1 - xt) + C0 * xt
     cols = pid_n * TN * 16 + 16 * tl.arange(0, TN)[None, :] + tl.arange(0, 8)[:, None]
     out = out_ptr + pid_s.to(tl.int64) * NP + cols
     tl.store(out, y0)
