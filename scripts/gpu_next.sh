@@ -1,16 +1,32 @@
 #!/usr/bin/env bash
-# The next device session's first call (issue 6), one command, ~9 minutes:
-#   1. the EXL3 kernel tests on the GPU (the new fp16-transform prefill included);
-#   2. the 8k-token EXL3 prefill profile (kernel table head);
-#   3. the engine at 4.0 bpw (decode, 8k prefill, aggregate at 32) and int8 / bf16 beside it.
+# The next device session's calls (issue 6), in two stages of under 10 minutes each:
+#   a: the EXL3 kernel tests on the GPU (the fp16-transform prefill and the affine one-row
+#      mode included), the one-row sweep (rounded vs affine), the 8k-token prefill profile;
+#   b: the engine at 4.0 bpw (decode, 8k prefill, aggregate at 32) with the default one-row
+#      kernel, and again with the affine one; int8 and bf16 beside them; then Nsight Compute
+#      on the one-row kernel (scripts/gpu_ncu_exl3.sh).
+# Usage: OUT=... scripts/gpu_next.sh a|b
 # Carry .whl (../shared/gpu/wheels.sh) and .gpu (../shared/gpu/configs/*.json copied in).
 set -uo pipefail
 out=${OUT:-/tmp/gpu-next}; mkdir -p "$out"
 [ -d /tmp/site/fastapi ] || python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl 2>/dev/null
 export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1
 nvidia-smi --query-gpu=name,memory.total,clocks.max.sm --format=csv,noheader
-timeout 150 python3 -m pytest -q -p no:cacheprovider tests/kernels/test_exl3_kernels.py -x 2>&1 | tail -4
-timeout 120 python3 scripts/gpu_profile_prefill.py .gpu/llama-3.1-8b.json --quantization exl3 --bits 4 \
-    --tokens 8192 --out "$out" 2>&1 | head -45
-timeout 290 python3 scripts/gpu_exl3_check.py --out "$out" --stages engine --budget 270 \
-    --engines "exl3 4,int8,bf16" 2>&1 | tail -25
+case "${1:-a}" in
+a)
+    timeout 150 python3 -m pytest -q -p no:cacheprovider tests/kernels/test_exl3_kernels.py -x 2>&1 | tail -4
+    mkdir -p "$out/sweep"
+    timeout 120 python3 scripts/gpu_exl3_sweep.py --out "$out/sweep" --budget 100 --combos 4:mul1,2:mul1 --layer-only \
+        --variants fma-8x4-split-asm,row-16x4-asm,row-16x4-asm-aff,row-8x4-asm-aff,row-8x4-asm-aff-pps8 2>&1 | tail -30
+    timeout 120 python3 scripts/gpu_profile_prefill.py .gpu/llama-3.1-8b.json --quantization exl3 --bits 4 \
+        --tokens 8192 --out "$out" 2>&1 | head -45
+    ;;
+b)
+    mkdir -p "$out/default" "$out/affine"
+    timeout 260 python3 scripts/gpu_exl3_check.py --out "$out/default" --stages engine --budget 240 \
+        --engines "exl3 4,int8,bf16" 2>&1 | tail -14
+    timeout 110 python3 scripts/gpu_exl3_check.py --out "$out/affine" --stages engine --budget 90 \
+        --engines "exl3 4" --one-row row-8x4-asm-aff 2>&1 | tail -8
+    OUT="$out" timeout 170 bash scripts/gpu_ncu_exl3.sh
+    ;;
+esac
