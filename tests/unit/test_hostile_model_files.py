@@ -102,6 +102,27 @@ def test_hostile_chat_templates_are_one_error(template, match):
         render_chat_template(template, [{"role": "user", "content": "hi"}])
 
 
+@pytest.mark.parametrize("template,content", [
+    ("{% for i in range(100000) %}{% for j in range(100000) %}{% endfor %}{% endfor %}", "hi"),
+    # Quadratic in the caller's message: slow only for some requests.
+    ("{% for m in messages %}{% for c in m.content %}{% for d in m.content %}{{ '' }}{% endfor %}"
+     "{% endfor %}{% endfor %}", "x" * 100000),
+])
+def test_endless_chat_template_is_stopped_with_one_error(template, content, monkeypatch):
+    import sys
+    import time
+    from trellm.tokenizer import chat_template
+    monkeypatch.setattr(chat_template, "MAX_RENDER_SECONDS", 0.3)
+    before = sys.gettrace()
+    t0 = time.monotonic()
+    with pytest.raises(ValueError, match="ran longer than 0.3 s"):
+        render_chat_template(template, [{"role": "user", "content": content}])
+    assert time.monotonic() - t0 < 5
+    assert sys.gettrace() is before  # a coverage tracer, if any, is back
+    # The deadline is per render: a normal template right after renders.
+    assert render_chat_template("{{ messages[0].content[:2] }}", [{"role": "user", "content": content}]) == content[:2]
+
+
 def test_gguf_with_bad_alignment_is_refused(tmp_path):
     gguf = pytest.importorskip("gguf")
     path = tmp_path / "a.gguf"

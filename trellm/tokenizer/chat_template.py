@@ -8,6 +8,8 @@ and ``strftime_now``), so a prompt rendered here equals the reference's.
 from __future__ import annotations
 
 import json
+import sys
+import time
 from datetime import datetime
 from functools import lru_cache
 from typing import Any
@@ -49,6 +51,39 @@ class _Sandbox(ImmutableSandboxedEnvironment):
         if operator == "**" and isinstance(right, int) and abs(right) > 1024:
             raise jinja2.exceptions.SecurityError("exponent too large")
         return super().call_binop(context, operator, left, right)
+
+
+MAX_RENDER_SECONDS = 5.0
+"""A render running longer is stopped: Jinja has no ``while``, but nested loops over
+``range`` (100,000 each, the sandbox's bound) or over a long message's characters would
+otherwise hold a server worker for hours. Real templates render in milliseconds."""
+
+
+class RenderTimeout(Exception):
+    pass
+
+
+def _deadline_tracer(deadline: float):
+    """A trace function that checks the clock on every line of template code (compiled
+    Jinja's frames, file name ``<template>``) and no other frame, so only the template
+    pays for it (~1 us a line); raising inside the trace stops the render there."""
+    def line(frame, event, arg):
+        if time.monotonic() > deadline:
+            raise RenderTimeout(f"the chat template ran longer than {MAX_RENDER_SECONDS:g} s")
+        return line
+
+    def call(frame, event, arg):
+        return line if frame.f_code.co_filename == "<template>" else None
+    return call
+
+
+def _render_with_deadline(template: jinja2.Template, **context: Any) -> str:
+    previous = sys.gettrace()  # a debugger's or coverage's, restored after
+    sys.settrace(_deadline_tracer(time.monotonic() + MAX_RENDER_SECONDS))
+    try:
+        return template.render(**context)
+    finally:
+        sys.settrace(previous)
 
 
 @lru_cache(maxsize=16)
@@ -98,8 +133,10 @@ def render_chat_template(source: str | None, messages: list[dict], *,
     variables.setdefault("tools", None)
     variables.setdefault("documents", None)
     try:
-        return template.render(messages=normalize_messages(messages),
-                               add_generation_prompt=add_generation_prompt, **variables)
+        return _render_with_deadline(template, messages=normalize_messages(messages),
+                                     add_generation_prompt=add_generation_prompt, **variables)
+    except RenderTimeout as e:
+        raise ValueError(f"{e}; it is stopped (a loop without a practical end?)") from e
     except jinja2.exceptions.TemplateError as e:
         raise ValueError(f"the chat template rejected the conversation: {e}") from e
     except Exception as e:  # RecursionError and MemoryError included
