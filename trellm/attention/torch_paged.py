@@ -13,6 +13,8 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from trellm.attention.kv_mirror import DecodeKVMirror
+
 
 @dataclass
 class DecodeGroup:
@@ -29,6 +31,13 @@ class DecodeGroup:
     contiguous_start: int | None = None
     """First block id when there is one sequence and its blocks are consecutive ids:
     its K/V is then a view of the pool, with no gather (the common single-stream case)."""
+    mirror: "DecodeKVMirror | None" = None
+    """CPU: the runner's contiguous copy of the group's K/V (kv_mirror.py), used where the
+    step's fresh K/V are at hand; with it, ``step`` (the runner's step counter),
+    ``request_ids`` and ``lens`` (seq_lens as ints) say whether last step's copy continues."""
+    step: int = 0
+    request_ids: tuple[str, ...] = ()
+    lens: tuple[int, ...] = ()
     kv_rows: tuple[int, int, torch.Tensor] | None = None
     """(nblk, num_blocks, rows): the gather's rows [2 B nblk] of the pool viewed as
     [2 num_blocks, block], K rows then V rows. CPU block tables only: built by a step's
@@ -90,11 +99,12 @@ def _attend(q: torch.Tensor, k: torch.Tensor | None, v: torch.Tensor | None, kv_
             meta: AttentionMetadata, scale: float) -> torch.Tensor:
     """Decode group and prefill chunks of one step; k/v None: read the chunks' own keys from the cache."""
     if meta.decode is not None and not meta.prefills:
-        return _decode(q, kv_cache, meta.decode, scale)  # decode-only step: rows already in order
+        return _decode(q, kv_cache, meta.decode, scale, k, v)  # decode-only step: rows already in order
     out = torch.empty_like(q)
     if meta.decode is not None:
         d = meta.decode
-        out[d.token_index] = _decode(q[d.token_index], kv_cache, d, scale)
+        fresh = (None, None) if k is None else (k[d.token_index], v[d.token_index])
+        out[d.token_index] = _decode(q[d.token_index], kv_cache, d, scale, *fresh)
     for p in meta.prefills:
         sl = slice(p.q_start, p.q_start + p.q_len)
         fresh = (None, None) if k is None else (k[sl], v[sl])
@@ -110,7 +120,13 @@ def write_kv(kv_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slots: to
     kv_cache.view(2, nb * bs, hk, d).index_copy_(1, slots, kv)
 
 
-def _decode(q: torch.Tensor, kv_cache: torch.Tensor, d: DecodeGroup, scale: float) -> torch.Tensor:
+def _decode(q: torch.Tensor, kv_cache: torch.Tensor, d: DecodeGroup, scale: float,
+            k_new: torch.Tensor | None = None, v_new: torch.Tensor | None = None) -> torch.Tensor:
+    if d.contiguous_start is None and d.mirror is not None and k_new is not None:
+        kv = d.mirror.kv(kv_cache, d.step, d.request_ids, d.lens, k_new, v_new,
+                         lambda length: _gather(kv_cache, d, length))
+        if kv is not None:
+            return _sdpa_decode(q, kv[0], kv[1], d.attn_mask, scale)
     if d.contiguous_start is None:
         return paged_decode_reference(q, kv_cache, d.block_table, d.seq_lens, d.max_seq_len, scale,
                                       d.attn_mask, masked=d.attn_mask is not None, group=d)
@@ -120,6 +136,18 @@ def _decode(q: torch.Tensor, kv_cache: torch.Tensor, d: DecodeGroup, scale: floa
     kv = kv_cache[:, d.contiguous_start:d.contiguous_start + nblk].reshape(2, 1, nblk * bs, hk, dim)
     kv = kv[:, :, :d.max_seq_len].transpose(2, 3)
     return _sdpa_decode(q, kv[0], kv[1], None, scale)
+
+
+def _gather(kv_cache: torch.Tensor, d: DecodeGroup, length: int) -> torch.Tensor:
+    """[2, B, >= length, Hk, D]: the group's first ``length`` positions, from the pool."""
+    bs = kv_cache.shape[2]
+    nblk = (length + bs - 1) // bs
+    rows = d.rows_for(nblk, kv_cache) if kv_cache.is_contiguous() else None
+    if rows is not None:
+        kv = kv_cache.view(2 * kv_cache.shape[1], -1).index_select(0, rows)
+    else:
+        kv = kv_cache.index_select(1, d.block_table[:, :nblk].reshape(-1))
+    return kv.reshape(2, d.block_table.shape[0], nblk * bs, *kv_cache.shape[3:])
 
 
 def gather_rows(block_table: torch.Tensor, nblk: int, num_blocks: int) -> torch.Tensor:

@@ -5,6 +5,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from trellm.attention.kv_mirror import DecodeKVMirror
 from trellm.attention.torch_paged import AttentionMetadata, DecodeGroup, PrefillSeq, decode_mask
 from trellm.engine.request import token_slice
 from trellm.engine.types import StepPlan
@@ -69,7 +70,7 @@ def _fill_pending(ids: torch.Tensor, pending: list[tuple[int, torch.Tensor, int]
 
 
 def build_batch(plan: StepPlan, states: dict[str, CachedRequestState], block_size: int,
-                device: torch.device) -> BatchInputs:
+                device: torch.device, mirror: DecodeKVMirror | None = None, step: int = 0) -> BatchInputs:
     """Flatten the plan: decode requests (one new token) first so they form one
     contiguous group, then each prefill chunk."""
     order = sorted(plan.num_scheduled_tokens.items(), key=lambda kv: kv[1] != 1)
@@ -79,6 +80,7 @@ def build_batch(plan: StepPlan, states: dict[str, CachedRequestState], block_siz
     dec_rows: list[int] = []
     dec_tables: list[list[int]] = []
     dec_lens: list[int] = []
+    dec_ids: list[str] = []
     prefills: list[tuple[int, int, int, list[int]]] = []
     logit_rows: list[int] = []
     samplers: list[tuple[CachedRequestState, int]] = []
@@ -99,6 +101,7 @@ def build_batch(plan: StepPlan, states: dict[str, CachedRequestState], block_siz
             dec_rows.append(q_start)
             dec_tables.append(st.block_ids)
             dec_lens.append(end)
+            dec_ids.append(rid)
         else:
             prefills.append((q_start, n, end, st.block_ids[: (end + block_size - 1) // block_size]))
         if st.params.prompt_logprobs is not None and start < len(st.prompt_token_ids):
@@ -107,6 +110,9 @@ def build_batch(plan: StepPlan, states: dict[str, CachedRequestState], block_siz
             samplers.append((st, len(logit_rows)))
             logit_rows.append(q_start + n - 1)
     meta = _metadata(slots, dec_rows, dec_tables, dec_lens, prefills, block_size, device)
+    if meta.decode is not None and mirror is not None:
+        meta.decode.mirror, meta.decode.step = mirror, step
+        meta.decode.request_ids, meta.decode.lens = tuple(dec_ids), tuple(dec_lens)
     input_ids = device_tensor(ids, device)
     if pending:
         _fill_pending(input_ids, pending)

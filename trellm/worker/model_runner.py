@@ -6,6 +6,7 @@ from dataclasses import dataclass
 
 import torch
 
+from trellm.attention.kv_mirror import DecodeKVMirror
 from trellm.engine.types import StepPlan, StepResult, TokenLogprobs
 from trellm.host_copy import device_tensor
 from trellm.worker.input_batch import BatchInputs, CachedRequestState, build_batch
@@ -55,6 +56,9 @@ class ModelRunner:
         """FusedOps when the model runs its fused-kernel path (CUDA + Triton backend)."""
         self.graphs = None
         """DecodeGraphs replaying decode-only steps (CUDA), or None: every step eager."""
+        self.kv_mirror = DecodeKVMirror(len(kv_caches)) if device.type == "cpu" else None
+        """CPU: decode K/V kept contiguous between steps (trellm/attention/kv_mirror.py)."""
+        self.step_count = 0
 
     @torch.inference_mode()
     def execute(self, plan: StepPlan) -> StepResult:
@@ -114,7 +118,8 @@ class ModelRunner:
         return StepResult(sampled_token_ids=sampled)
 
     def _forward(self, plan: StepPlan) -> tuple[BatchInputs, torch.Tensor | None]:
-        batch = build_batch(plan, self.states, self.block_size, self.device)
+        self.step_count += 1
+        batch = build_batch(plan, self.states, self.block_size, self.device, self.kv_mirror, self.step_count)
         # Graphs take steps whose every row is a decode token with a logits row, in order.
         if (self.graphs is not None and not batch.prompt_spans
                 and len(batch.logits_index) == len(batch.input_ids)
