@@ -101,11 +101,13 @@ class FastConfig:
 @dataclass(frozen=True)
 class FastDispatch:
     """Which FastConfig runs for M rows. Defaults: the picks of scripts/gpu_exl3_sweep.py
-    on an H200 at the Llama-3.1-8B shapes, K=4 mul1 (docs/benchmarks/gpu/exl3-sweep-*.json):
-    the split fma kernel with dp4a for one row, the split dot kernel up to 8 rows, the dot
-    kernel with the input Hadamard fused above that."""
+    at the Llama-3.1-8B shapes, K=4 mul1 (docs/benchmarks/gpu/exl3-sweep-*.json): for one
+    row the coalesced row kernel in its affine MUL1 mode (H100, 2026-12-06: 119 us a layer
+    against 143 for the split fma kernel, the H200 pick before it; other codebooks and
+    K > 4 take its exact paths), the split dot kernel up to 8 rows, the dot kernel with
+    the input Hadamard fused above that."""
 
-    one_row: FastConfig | None = FastConfig(tk=8, tn=4, dot=False, asm=True, split=True)
+    one_row: FastConfig | None = FastConfig(tk=8, tn=4, dot=False, asm=True, row=True, affine=True)
     """M == 1 (None: the gemv config)."""
     gemv: FastConfig = FastConfig(tk=8, tn=8, asm=True, split=True)
     gemv_max_rows: int = 8
