@@ -14,6 +14,9 @@ out=${OUT:-/tmp/ex3out}; mkdir -p "$out" /tmp/ex3build
 export PYTHONPATH=/tmp/site:/tmp/ex3site:$PWD PYTHONUNBUFFERED=1 PATH=/tmp/ex3site/bin:$PATH
 export TORCH_EXTENSIONS_DIR=/tmp/ex3build MAX_JOBS=${MAX_JOBS:-$(nproc)} TORCH_CUDA_ARCH_LIST=${TORCH_CUDA_ARCH_LIST:-9.0}
 echo "nvcc: $(command -v nvcc || ls /usr/local/cuda/bin/nvcc 2>/dev/null)  ninja: $(command -v ninja)  jobs: $MAX_JOBS"
+# A build killed by the end of a call leaves torch's lock file behind, and the next
+# import then waits on it forever (seen 2026-12-06): one build runs at a time here.
+find /tmp/ex3build -name lock -delete 2>/dev/null
 start=$(date +%s)
 timeout "$budget" python3 -c "import exllamav3; print('exllamav3', exllamav3.__file__, 'imported')" > "$out/exllamav3-build.log" 2>&1
 rc=$?
