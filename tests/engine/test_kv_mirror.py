@@ -62,9 +62,9 @@ def test_mirror_over_the_budget_falls_back_to_the_gather():
     want = paged_decode_reference(q, pool, table, d.seq_lens, 64, 0.3)
     small = DecodeKVMirror(num_layers=1, budget_bytes=1000)
     assert small.kv(pool, 1, ("a", "b"), (40, 64), pool[0, 0, :2], pool[1, 0, :2],
-                    lambda n: _gather(pool, d, n)) is None and not small.layers
+                    lambda n: _gather(pool, table, n, d)) is None and not small.layers
     big = DecodeKVMirror(num_layers=1)
-    kv = big.kv(pool, 1, ("a", "b"), (40, 64), pool[0, 0, :2], pool[1, 0, :2], lambda n: _gather(pool, d, n))
+    kv = big.kv(pool, 1, ("a", "b"), (40, 64), pool[0, 0, :2], pool[1, 0, :2], lambda n: _gather(pool, table, n, d))
     mask = torch.arange(64)[None, None, None, :] < d.seq_lens[:, None, None, None]
     import torch.nn.functional as F
     got = F.scaled_dot_product_attention(q.reshape(2, 2, 2, 8), kv[0], kv[1], attn_mask=mask, scale=0.3)

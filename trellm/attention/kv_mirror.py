@@ -11,7 +11,7 @@ left or was preempted; the previous step was not this group's) gathers afresh.
 
 The mirror holds exact copies of the pool's values (the same float32 rows the step
 writes into the pool), so attention over it equals attention over a gather, bit for bit
-(tests/unit/test_kv_mirror.py). It costs memory beside the pool, bounded by
+(tests/engine/test_kv_mirror.py). It costs memory beside the pool, bounded by
 ``budget_bytes`` over all layers; past that, steps gather as before.
 """
 from __future__ import annotations
@@ -41,6 +41,8 @@ class DecodeKVMirror:
         self.num_layers = num_layers
         self.budget_bytes = budget_bytes
         self.layers: dict[int, _LayerMirror] = {}
+        self._rows: tuple[int, int, torch.Tensor] | None = None
+        """(step, cap, rows): the append rows, the same for every layer of a step."""
         self.appends = 0
         self.rebuilds = 0
         """Layer-steps that appended / regathered (tests and profiles read them)."""
@@ -56,7 +58,9 @@ class DecodeKVMirror:
         m = self.layers.get(key)
         if m is not None and self._continues(m, step, request_ids, lens, kv_cache):
             cap = m.buf.shape[2]
-            rows = torch.tensor([i * cap + n - 1 for i, n in enumerate(lens)], dtype=torch.long)
+            if self._rows is None or self._rows[:2] != (step, cap):
+                self._rows = (step, cap, torch.tensor([i * cap + n - 1 for i, n in enumerate(lens)]))
+            rows = self._rows[2]
             new = torch.stack((k_new, v_new)).to(m.buf.dtype)
             m.buf.view(2, b * cap, *m.buf.shape[3:]).index_copy_(1, rows, new)
             self.appends += 1

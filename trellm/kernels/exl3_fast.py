@@ -166,19 +166,25 @@ def _group_consts(pid_n, TJS, K: tl.constexpr, G: tl.constexpr, TK: tl.constexpr
 
 
 @triton.jit
+def _byte_sum(x, SCALE: tl.constexpr, BASE: tl.constexpr, ASM: tl.constexpr):
+    """uint32 BASE + SCALE * (sum of x's 4 bytes), SCALE <= 255: one dp4a on the GPU
+    (``ASM``), shifts and masks in the interpreter."""
+    if ASM:
+        return tl.inline_asm_elementwise(
+            "dp4a.u32.u32 $0, $1, $2, $3;", "=r,r,r,r",
+            [x, tl.full(x.shape, SCALE * 0x01010101, tl.uint32), tl.full(x.shape, BASE, tl.uint32)],
+            dtype=tl.uint32, is_pure=True, pack=1)
+    pairs = (x & 0x00FF00FF) + ((x >> 8) & 0x00FF00FF)
+    return ((pairs * 0x10001) >> 16) * SCALE + BASE
+
+
+@triton.jit
 def _codebook(s, CB: tl.constexpr, ASM: tl.constexpr):
     """16-bit states (uint32) -> fp16 values, bit-exact (spec §1.4; see exl3_decode._decode).
     MUL1: 0x4B000000 + B is the float32 2^23 + B, so B = f - 2^23 exactly, B k_inv is exact
     (21 bits) and adding 1024 k_inv + k_bias = -3.453125 is exact: one rounding, to fp16."""
     if CB == 2:
-        x = s * 0x83DCD12D
-        if ASM:
-            f = tl.inline_asm_elementwise(
-                "{ .reg .u32 ones, magic; mov.u32 ones, 16843009; mov.u32 magic, 1258291200;"
-                " dp4a.u32.u32 $0, $1, ones, magic; }", "=r,r", [x], dtype=tl.uint32, is_pure=True, pack=1)
-        else:
-            pairs = (x & 0x00FF00FF) + ((x >> 8) & 0x00FF00FF)
-            f = ((pairs * 0x10001) >> 16) + 0x4B000000
+        f = _byte_sum(s * 0x83DCD12D, 1, 0x4B000000, ASM)
         if ASM:  # one exact FFMA: f k_inv is 56768 + B k_inv, and -56768 - 3.453125 is exact in float32
             v = tl.fma(f.to(tl.float32, bitcast=True), 0.00676727294921875, -56771.453125).to(tl.float16)
         else:  # the interpreter's fma is not fused: subtract first (exact), then one rounding

@@ -34,7 +34,7 @@ tests: within fp16's tolerance, like the dot variants).
 from __future__ import annotations
 
 from trellm.kernels._triton import tl, triton
-from trellm.kernels.exl3_fast import _weight
+from trellm.kernels.exl3_fast import _byte_sum, _weight
 
 K_INV = 0.00676727294921875  # fp16 0x1EEE
 C0 = tl.constexpr(1024 * K_INV - 10.3828125)  # 1024 k_inv + k_bias (fp16 0xC931) = -3.453125, exact
@@ -45,13 +45,7 @@ AFF_SCALE = tl.constexpr(K_INV * 8388608.0 / 255.0)
 def _affine_v(p, sh, J: tl.constexpr, K: tl.constexpr, ASM: tl.constexpr):
     """float32 1 + 255 B / 2^23 of weight J of each group (MUL1; B = byte sum of s M)."""
     x = ((p >> (sh - J * K)) & 0xFFFF).to(tl.uint32) * 0x83DCD12D
-    if ASM:
-        f = tl.inline_asm_elementwise(
-            "{ .reg .u32 b255, one; mov.u32 b255, 4294967295; mov.u32 one, 1065353216;"
-            " dp4a.u32.u32 $0, $1, b255, one; }", "=r,r", [x], dtype=tl.uint32, is_pure=True, pack=1)
-    else:
-        pairs = (x & 0x00FF00FF) + ((x >> 8) & 0x00FF00FF)
-        f = ((pairs * 0x10001) >> 16) * 255 + 0x3F800000
+    f = _byte_sum(x, 255, 0x3F800000, ASM)  # the float32 bits of 1.0 + 255 B
     return f.to(tl.float32, bitcast=True)
 
 
