@@ -324,9 +324,9 @@ def stage_int8(cfg: dict, device: torch.device, res: dict) -> None:
 ENGINE_FILTER: list[str] = []
 
 
-def set_dispatch_from(one_row: str | None, gemv: str | None) -> None:
+def set_dispatch_from(one_row: str | None, gemv: str | None, gemv_max_rows: int | None = None) -> None:
     """The EXL3 dispatch with the named sweep variants in place of the defaults."""
-    if not one_row and not gemv:
+    if not one_row and not gemv and gemv_max_rows is None:
         return
     from dataclasses import replace
 
@@ -338,6 +338,8 @@ def set_dispatch_from(one_row: str | None, gemv: str | None) -> None:
         d = replace(d, one_row=VARIANTS[one_row][0])
     if gemv:
         d = replace(d, gemv=VARIANTS[gemv][0])
+    if gemv_max_rows is not None:
+        d = replace(d, gemv_max_rows=gemv_max_rows)
     exl3_fast.set_dispatch(d)
     log(f"EXL3 dispatch: {d}")
 
@@ -451,8 +453,9 @@ def main() -> None:
     ap.add_argument("--engines", help="comma-separated substrings of the engine runs to keep, e.g. 'exl3 4,int8'")
     ap.add_argument("--one-row", help="a scripts/gpu_exl3_sweep.py variant for M = 1 (the dispatch's one_row)")
     ap.add_argument("--gemv", help="a scripts/gpu_exl3_sweep.py variant for 2..8 rows (the dispatch's gemv)")
+    ap.add_argument("--gemv-max-rows", type=int, help="the most rows the gemv variant takes (default 8)")
     a = ap.parse_args()
-    set_dispatch_from(a.one_row, a.gemv)
+    set_dispatch_from(a.one_row, a.gemv, a.gemv_max_rows)
     if a.engines:
         ENGINE_FILTER.extend(a.engines.split(","))
     os.makedirs(a.out, exist_ok=True)

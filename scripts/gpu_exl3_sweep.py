@@ -89,6 +89,15 @@ VARIANTS: dict[str, tuple[FastConfig, tuple[int, ...]]] = {
     "row-16x4-asm-aff": (FastConfig(tk=16, tn=4, dot=False, asm=True, row=True, affine=True), (1,)),
     "row-8x4-asm-aff-pps8": (FastConfig(tk=8, tn=4, dot=False, asm=True, row=True, affine=True,
                                         programs_per_sm=8), (1,)),
+    # exl3_mma: lanes decode their own mma B fragments (1-16 rows per program for one decode).
+    "mma-8x4-aff": (FastConfig(tk=8, tn=4, dot=False, asm=True, mma=True, affine=True), (1, 8, 32)),
+    "mma-8x4": (FastConfig(tk=8, tn=4, dot=False, asm=True, mma=True), (1, 8, 32)),
+    "mma-8x2-aff": (FastConfig(tk=8, tn=2, dot=False, asm=True, mma=True, affine=True), (1, 8, 32)),
+    "mma-8x8-aff": (FastConfig(tk=8, tn=8, dot=False, asm=True, mma=True, affine=True), (1, 8, 32)),
+    "mma-8x4-aff-w8": (FastConfig(tk=8, tn=4, warps=8, dot=False, asm=True, mma=True, affine=True), (1, 8, 32)),
+    "mma-16x4-aff-w8": (FastConfig(tk=16, tn=4, warps=8, dot=False, asm=True, mma=True, affine=True), (1, 8, 32)),
+    "mma-8x4-aff-pps8": (FastConfig(tk=8, tn=4, dot=False, asm=True, mma=True, affine=True, programs_per_sm=8),
+                         (1, 8, 32)),
     "mm-8x8-bm32": (FastConfig(tk=8, tn=8, block_m=32), (32,)),
     "mm-8x8-bm32-w8": (FastConfig(tk=8, tn=8, warps=8, block_m=32), (32,)),
     "mm-4x8-bm32": (FastConfig(tk=4, tn=8, block_m=32), (32,)),
@@ -182,7 +191,7 @@ def _check_job(job: tuple) -> list[dict]:
                 "fast_reconstruct", f"asm={asm}", exl3_fast.fast_reconstruct(w, asm=asm), want, EXACT, torch.float16))
         return out
     rows = (1, 8, 32) if name == OLD else VARIANTS[name][1]
-    dot = name == OLD or VARIANTS[name][0].dot
+    dot = name == OLD or VARIANTS[name][0].dot or VARIANTS[name][0].mma or VARIANTS[name][0].affine
     for label, (f, parts) in layers.items():
         for m in rows:
             x = torch.randn(m, in_f, device=device, generator=torch.Generator(device).manual_seed(m)).bfloat16()
@@ -320,7 +329,7 @@ def best_single(rows: list[dict], bits: int, cb: str, m: int, fast_only: bool = 
     if fast_only or dot_only:
         names.discard(OLD)
     if dot_only:
-        names = {n for n in names if VARIANTS[n][0].dot}
+        names = {n for n in names if VARIANTS[n][0].dot or VARIANTS[n][0].mma}
     sums = {n: sum(us.get((s, bits, cb, m, n), math.inf) for s in LAYER_SHAPES) for n in names}
     sums = {n: v for n, v in sums.items() if v < math.inf}
     if not sums:
@@ -359,7 +368,7 @@ def suggest(rows: list[dict], res: dict) -> None:
     res["best_by_rows_k4_mul1"] = {m: p[0] for m, p in picks.items()}
     if any(p[0] is None for p in fast.values()):
         return
-    gemv = fast[8][0] if VARIANTS[fast[8][0]][0].dot else best_single(rows, 4, "mul1", 8, dot_only=True)[0]
+    gemv = fast[8][0] if VARIANTS[fast[8][0]][0].dot or VARIANTS[fast[8][0]][0].mma else best_single(rows, 4, "mul1", 8, dot_only=True)[0]
     one = fast[1][0]
     code = (f"FastDispatch(one_row={VARIANTS[one][0]!r},\n             gemv={VARIANTS[gemv][0]!r},\n"
             f"             gemm={VARIANTS[fast[32][0]][0]!r})")

@@ -5,7 +5,10 @@
 #   b: the engine at 4.0 bpw (decode, 8k prefill, aggregate at 32) with the default one-row
 #      kernel, and again with the affine one; int8 and bf16 beside them; then Nsight Compute
 #      on the one-row kernel (scripts/gpu_ncu_exl3.sh).
-# Usage: OUT=... scripts/gpu_next.sh a|b
+#   c: exl3_mma (tensor-core mma on lane-decoded fragments): its kernel tests, then the
+#      layer sweep at 1 / 8 / 32 rows against the row, split-dot and fused-Hadamard kernels;
+#   d: the engine at 4.0 bpw with the default dispatch and with exl3_mma for 1-32 rows, bf16 beside.
+# Usage: OUT=... scripts/gpu_next.sh a|b|c|d
 # Carry .whl (../shared/gpu/wheels.sh) and .gpu (../shared/gpu/configs/*.json copied in).
 set -uo pipefail
 out=${OUT:-/tmp/gpu-next}; mkdir -p "$out"
@@ -28,5 +31,21 @@ b)
     timeout 110 python3 scripts/gpu_exl3_check.py --out "$out/affine" --stages engine --budget 90 \
         --engines "exl3 4" --one-row row-8x4-asm-aff 2>&1 | tail -8
     OUT="$out" timeout 170 bash scripts/gpu_ncu_exl3.sh
+    ;;
+c)
+    timeout 200 python3 -m pytest -q -p no:cacheprovider tests/kernels/test_exl3_kernels.py -k mma > "$out/pytest-mma.txt" 2>&1
+    tail -3 "$out/pytest-mma.txt"
+    mkdir -p "$out/sweep"
+    timeout 330 python3 scripts/gpu_exl3_sweep.py --out "$out/sweep" --budget 320 --combos 4:mul1 --layer-only \
+        --variants row-8x4-asm-aff,mma-8x4-aff,mma-8x4,mma-8x2-aff,mma-8x8-aff,mma-8x4-aff-w8,mma-16x4-aff-w8,mma-8x4-aff-pps8,dot-8x8-split-asm,mm-8x8-bm32-had-asm \
+        2>&1 | tail -40
+    tail -3 "$out/pytest-mma.txt"
+    ;;
+d)
+    mkdir -p "$out/default" "$out/mma"
+    timeout 250 python3 scripts/gpu_exl3_check.py --out "$out/mma" --stages engine --budget 240 --engines "exl3 4,bf16" \
+        --one-row "${MMA_ONE:-mma-8x4-aff}" --gemv "${MMA_GEMV:-mma-8x4-aff}" --gemv-max-rows 32 2>&1 | tail -14
+    timeout 150 python3 scripts/gpu_exl3_check.py --out "$out/default" --stages engine --budget 140 --engines "exl3 4" \
+        2>&1 | tail -8
     ;;
 esac

@@ -167,7 +167,7 @@ def _check_fast(f, rows, cfg, dtype=torch.float32, seed=0, want_parts=None):
     x = x.to(dtype)
     got = exl3_fast.fast_matmul(f, x, cfg)
     want = torch.cat([forward_reference(p, x.float()) for p in (want_parts or f.parts)], dim=-1).to(dtype)
-    tol = quant_tolerance(dtype, cfg.dot or cfg.affine)
+    tol = quant_tolerance(dtype, cfg.dot or cfg.affine or cfg.mma)  # mma: fp16 activations
     _ok(compare(f"exl3_fast {cfg}", f"x={rows}", got, want, tol, dtype))
 
 
@@ -181,6 +181,39 @@ def test_fast_every_k_codebook_and_rows(bits, codebook, device):
     f = exl3_fast.fuse([w])
     for rows, cfg in FAST_ROWS:
         _check_fast(f, rows, cfg, seed=rows)
+
+
+# exl3_mma (K <= 4; K = 5 takes the split dot kernel): one row; 3 rows on an uneven last step
+# (tk 16 of 24 tile rows) with bit-exact weights; 16 rows (rows g + 8 live) on 2 warps; 33 rows
+# in three row blocks, 1 warp.
+MMA_ROWS = [
+    (1, FastConfig(tk=8, tn=4, dot=False, mma=True, affine=True, asm=True)),
+    (3, FastConfig(tk=16, tn=2, dot=False, mma=True)),
+    (16, FastConfig(tk=8, tn=4, warps=2, dot=False, mma=True, affine=True)),
+    (33, FastConfig(tk=4, tn=8, warps=1, dot=False, mma=True, affine=True)),
+]
+
+
+@pytest.mark.parametrize("codebook", CODEBOOKS)
+@pytest.mark.parametrize("bits", [1, 2, 3, 4, 5])
+def test_mma_every_codebook_and_rows(bits, codebook, device):
+    w = qt.exl3_weight(384, 256, bits, codebook, device, seed=200 + 10 * bits + CODEBOOKS.index(codebook))
+    f = exl3_fast.fuse([w])
+    for rows, cfg in MMA_ROWS:
+        _check_fast(f, rows, cfg, seed=rows)
+
+
+def test_mma_merged_parts_and_dispatch(device):
+    parts = [qt.exl3_weight(200, o, 4, "mul1", device, seed=o, bias=True) for o in (256, 100, 130)]
+    f = exl3_fast.fuse(parts)
+    for dtype in (torch.bfloat16, torch.float32):
+        _check_fast(f, 5, FastConfig(tk=4, tn=2, dot=False, mma=True, affine=True), dtype, want_parts=parts)
+    cfg = FastConfig(tk=8, tn=4, dot=False, mma=True, affine=True)
+    d = exl3_fast.FastDispatch(one_row=cfg, gemv=cfg, gemv_max_rows=32)
+    assert exl3_fast.choose_config(1, d) is cfg and exl3_fast.choose_config(32, d) is cfg
+    assert exl3_fast.choose_config(33, d) is d.gemm
+    with pytest.raises(ValueError, match="mma"):
+        exl3_fast.fast_matmul(f, torch.zeros(1, 200, device=device), FastConfig(tk=4, warps=8, dot=False, mma=True))
 
 
 def test_fast_merged_parts_unpadded_bias_dtypes(device):

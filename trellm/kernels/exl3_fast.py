@@ -93,6 +93,10 @@ class FastConfig:
     affine: bool = False
     """With row, MUL1: weights not rounded to fp16 (exl3_row's AFF: ~5 instead of 8.6
     instructions per weight; fp16-class tolerance instead of bit-exact weights)."""
+    mma: bool = False
+    """exl3_mma's kernel (K <= 4; other K fall back to the split dot kernel): lanes decode
+    their own mma B fragments, 1-16 rows for the decode of one; with affine (MUL1) the
+    weights are 1024 + B in fp16 and the affine map is applied to the sums."""
     programs_per_sm: int = 4
     block_m: int = 16
     """Rows per program for the dot (16..64; M above it takes several row blocks)."""
@@ -416,7 +420,7 @@ def _tile_stride(trellis: torch.Tensor) -> int:
 def _check(cfg: FastConfig, m: int) -> None:
     if cfg.tn not in (1, 2, 4, 8) or cfg.tk < 1 or cfg.tk & (cfg.tk - 1):
         raise ValueError(f"tn must be 1, 2, 4 or 8 and tk a power of 2, got {cfg}")
-    if not cfg.dot and m != 1:
+    if not cfg.dot and not cfg.mma and m != 1:
         raise ValueError(f"the FMA variant takes one row, got {m}")
     if cfg.dot and cfg.in_had and (cfg.tk * 16) % HAD_SIZE:
         raise ValueError(f"in_had needs 16 tk to be a multiple of 128, got tk={cfg.tk}")
@@ -424,8 +428,10 @@ def _check(cfg: FastConfig, m: int) -> None:
         raise ValueError(f"the split dot needs tk >= 4 and tn >= 2, got {cfg}")
     if cfg.row and cfg.dot:
         raise ValueError(f"row is the one-row FMA kernel (dot=False), got {cfg}")
-    if cfg.affine and not cfg.row:
-        raise ValueError(f"affine is a mode of the row kernel (row=True), got {cfg}")
+    if cfg.affine and not (cfg.row or cfg.mma):
+        raise ValueError(f"affine is a mode of the row and mma kernels, got {cfg}")
+    if cfg.mma and (cfg.dot or cfg.row or cfg.split or cfg.tk % cfg.warps):
+        raise ValueError(f"mma is its own kernel (dot, row, split off; warps dividing tk), got {cfg}")
 
 
 def fast_input_transform(f: EXL3Fused, x2: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
@@ -444,17 +450,25 @@ def fast_partials(f: EXL3Fused, x2: torch.Tensor, cfg: FastConfig) -> torch.Tens
     _check(cfg, m)
     ti, tj, _ = f.trellis.shape
     in_had = cfg.dot and cfg.in_had and not cfg.split
-    bm = min(cfg.block_m, max(16, _pow2(m))) if cfg.dot else 1
+    mma = cfg.mma and GROUP[f.bits] == 8
+    if cfg.mma and not mma:  # K > 4: the split dot kernel
+        cfg = FastConfig(tk=cfg.tk, tn=max(cfg.tn, 2), asm=cfg.asm, split=True)
+    bm = 16 if mma else min(cfg.block_m, max(16, _pow2(m))) if cfg.dot else 1
     if in_had:
         x, stride_xp, stride_xm = x2, 0, x2.stride(0)
     else:
-        x = fast_input_transform(f, x2, torch.float16 if cfg.dot else torch.float32)
+        x = fast_input_transform(f, x2, torch.float16 if cfg.dot or mma else torch.float32)
         stride_xp, stride_xm = m * f.padded_in, f.padded_in
     steps, blocks_n, blocks_m = triton.cdiv(ti, cfg.tk), tj // cfg.tn, triton.cdiv(m, bm)
     want = triton.cdiv(cfg.programs_per_sm * _num_sms(x2.device), blocks_n * blocks_m)
     per = triton.cdiv(steps, max(1, min(steps, want)))
     splits = triton.cdiv(steps, per)
     out = torch.empty(splits, m, f.padded_out, dtype=torch.float32, device=x2.device)
+    if mma:
+        from trellm.kernels.exl3_mma import mma_partials
+
+        mma_partials(f, x, m, cfg, splits, per, stride_xp, stride_xm, out, _use_asm(cfg.asm, f.codebook))
+        return out
     if cfg.row and not cfg.dot and GROUP[f.bits] == 8:
         from trellm.kernels.exl3_row import _row_kernel
 
@@ -494,7 +508,7 @@ def choose_config(m: int, d: FastDispatch | None = None) -> FastConfig:
     if m == 1 and d.one_row is not None:
         return d.one_row
     cfg = d.gemv if m <= d.gemv_max_rows else d.gemm
-    return cfg if cfg.dot or m == 1 else FastConfig(**{**cfg.__dict__, "dot": True})
+    return cfg if cfg.dot or cfg.mma or m == 1 else FastConfig(**{**cfg.__dict__, "dot": True})
 
 
 def fast_matmul(f: EXL3Fused, x: torch.Tensor, cfg: FastConfig | None = None,

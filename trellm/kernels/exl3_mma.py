@@ -1,0 +1,257 @@
+"""EXL3 in Triton, part 5: tensor-core mma on trellis values decoded in registers (1-16 rows).
+
+Why: the one-row kernels (exl3_row, exl3_fast's split FMA) spend one FMA per weight and
+per activation row, and their cost grows with the rows; the dot kernels reorder the
+decoded values into Triton's dot layout through shared memory, which for 2-32 rows made
+a Llama-3.1-8B layer 3-4x slower than one row (H100, docs/benchmarks/gpu/README.md).
+
+EXL3's tile layout *is* mma's: weight J of group e of a 16 x 16 tile sits at tile row
+8 ((J // 2) % 2) + 2 (e % 4) + J % 2, column 8 (J // 4) + e // 4, which is element J of
+lane e's B fragments for the two m16n8k16 halves (columns 0-7: J < 4, 8-15: J >= 4). So
+each lane decodes its own 8 weights, packs them as fp16 pairs and issues ``mma.sync``
+itself (inline PTX): no shuffle, no shared memory, no FMA per weight. Every tensor is
+[32, WARPS, TN] with axis 0 on the warp's 32 lanes: Triton 3.6 gives the mma operands
+the layout threadsPerWarp [32, 1, 1], warpsPerCTA [1, WARPS, 1] (seen in the TTGIR
+compiled for sm_90); the GPU tests, which compare with the reference decoder, fail on
+any other lane mapping. A program covers TN tile columns and WARPS tile rows at a
+time, TK // WARPS times per K step. One m16n8k16 takes 16 activation rows for the cost of one: 1..16 rows decode
+once; more rows take more programs (grid axis 2).
+
+MUL1 (``AFF``): lane e packs H = 1024 + B (B: the byte sum of s M) as fp16 with one
+dp4a onto 0x6400 (exact: 1024 <= H < 2048 has unit ulp). The weight is
+k_inv H + k_bias exactly, so y = k_inv (x . H) + k_bias sum(x), and sum(x) comes from one
+more mma per tile row against a B of ones. Like exl3_row's AFF, the weights are not
+rounded to fp16 (within half an fp16 ulp of the reference's). Other codebooks (and
+``AFF`` off) pack the reference's fp16 values, bit-exact weights.
+
+K = 4 extracts two states per 32-bit shift: windows J and J + 4 are 16 bits apart.
+
+SASS (sm_90, K = 4, MUL1, TK 8 x TN 4, 4 warps, compiled on the CPU): 349 loop
+instructions per 64 weights a thread (5.45 a weight; 338 with 16 live rows), 72
+registers, against exl3_row's affine loop at 399 (6.2) for one row and 80 registers.
+Per weight: 1 multiply, 1 dp4a, 1.4 shift / mask, 0.5 pack, 0.28 mma, 0.3 loads.
+
+In Triton's interpreter (no PTX) the mma is emulated on whole tensors by the fragment
+definitions of the PTX ISA (``_mma_emul``): the CPU tests check the decode, the
+packing and the fragment bookkeeping; the GPU tests check the hardware's agreement.
+"""
+from __future__ import annotations
+
+import os
+
+import torch
+
+from trellm.kernels._triton import tl, triton
+from trellm.kernels.exl3_decode import CODEBOOK_IDS
+from trellm.kernels.exl3_fast import _byte_sum, _tile_stride, _weight
+
+K_INV = tl.constexpr(0.00676727294921875)  # fp16 0x1EEE
+K_BIAS = tl.constexpr(-10.3828125)  # fp16 0xC931
+ONES = tl.constexpr(0x3C003C00)  # two fp16 1.0
+
+
+@triton.jit
+def _halves(r):
+    """uint32 of two fp16 -> (low, high) as float32."""
+    lo = (r & 0xFFFF).to(tl.uint16).to(tl.float16, bitcast=True).to(tl.float32)
+    hi = (r >> 16).to(tl.uint16).to(tl.float16, bitcast=True).to(tl.float32)
+    return lo, hi
+
+
+@triton.jit
+def _frag(r0, r1, WARPS: tl.constexpr, TN: tl.constexpr):
+    """Two fragment registers of every lane -> float32 [8 (g), 4 (t), WARPS, TN, 2 (i), 2 (r1?)]:
+    element (g, t, ., ., i, h) is r_h's half i at lane 4 g + t."""
+    l0, h0 = _halves(r0)
+    l1, h1 = _halves(r1)
+    v = tl.join(tl.join(l0, h0), tl.join(l1, h1))  # [32, WARPS, TN, 2, 2]
+    return tl.reshape(v, (8, 4, WARPS, TN, 2, 2))
+
+
+@triton.jit
+def _mma_rows(a_lo, a_hi, bf, c0, c1, WARPS: tl.constexpr, TN: tl.constexpr):
+    """8 rows of C += A B (rows g of A: registers a_lo (k = 2t + i) and a_hi (k = 8 + 2t + i))."""
+    af = _frag(a_lo, a_hi, WARPS, TN)
+    prod = tl.expand_dims(af, 1) * tl.expand_dims(bf, 0)  # [8 (g), 8 (n), 4 (t), W, TN, 2, 2]
+    cm = tl.sum(tl.sum(tl.sum(prod, 6), 5), 2)  # [8 (g), 8 (n = 2t' + i'), W, TN]
+    cm = tl.permute(tl.reshape(cm, (8, 4, 2, WARPS, TN)), 0, 1, 3, 4, 2)
+    d0, d1 = tl.split(cm)
+    return c0 + tl.reshape(d0, (32, WARPS, TN)), c1 + tl.reshape(d1, (32, WARPS, TN))
+
+
+@triton.jit
+def _mma_emul(a0, a1, a2, a3, b0, b1, c0, c1, c2, c3, WARPS: tl.constexpr, TN: tl.constexpr):
+    """mma.m16n8k16 (f16 in, f32 accumulate) by the PTX ISA's fragment layouts, on whole
+    [32, WARPS, TN] tensors (lane = axis 0, g = lane // 4, t = lane % 4): A rows g / g + 8
+    are a0, a2 / a1, a3; B column g is b0 (k = 2t + i) and b1 (k = 8 + 2t + i); C row g
+    holds c0, c1 at columns 2t + i, row g + 8 holds c2, c3. The interpreter's stand-in."""
+    z = tl.zeros((32, WARPS, TN), tl.uint32)
+    bf = _frag(b0 + z, b1 + z, WARPS, TN)
+    c0, c1 = _mma_rows(a0 + z, a2 + z, bf, c0, c1, WARPS, TN)
+    c2, c3 = _mma_rows(a1 + z, a3 + z, bf, c2, c3, WARPS, TN)
+    return c0, c1, c2, c3
+
+
+@triton.jit
+def _mma(a0, a1, a2, a3, b0, b1, c0, c1, c2, c3, PTX: tl.constexpr, WARPS: tl.constexpr, TN: tl.constexpr):
+    if PTX:
+        return tl.inline_asm_elementwise(
+            "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {$0, $1, $2, $3}, {$4, $5, $6, $7}, "
+            "{$8, $9}, {$10, $11, $12, $13};",
+            "=f,=f,=f,=f,r,r,r,r,r,r,f,f,f,f", [a0, a1, a2, a3, b0, b1, c0, c1, c2, c3],
+            dtype=(tl.float32, tl.float32, tl.float32, tl.float32), is_pure=True, pack=1)
+    return _mma_emul(a0, a1, a2, a3, b0, b1, c0, c1, c2, c3, WARPS, TN)
+
+
+@triton.jit
+def _states(p, sh, K: tl.constexpr):
+    """The 8 16-bit states (uint32) of every group, J = 0..7."""
+    if K == 4:  # windows J and J + 4 are 16 bits apart: one shift gives both
+        u0 = (p >> (sh - 16)).to(tl.uint32)
+        u1 = (p >> (sh - 20)).to(tl.uint32)
+        u2 = (p >> (sh - 24)).to(tl.uint32)
+        u3 = (p >> (sh - 28)).to(tl.uint32)
+        return u0 >> 16, u1 >> 16, u2 >> 16, u3 >> 16, u0 & 0xFFFF, u1 & 0xFFFF, u2 & 0xFFFF, u3 & 0xFFFF
+    return (_state(p, sh, 0, K), _state(p, sh, 1, K), _state(p, sh, 2, K), _state(p, sh, 3, K),
+            _state(p, sh, 4, K), _state(p, sh, 5, K), _state(p, sh, 6, K), _state(p, sh, 7, K))
+
+
+@triton.jit
+def _state(p, sh, J: tl.constexpr, K: tl.constexpr):
+    return ((p >> (sh - J * K)) & 0xFFFF).to(tl.uint32)
+
+
+@triton.jit
+def _pack_h(sa, sb, ASM: tl.constexpr):
+    """MUL1: fp16 pair (1024 + B(sa), 1024 + B(sb)), B = byte sum of s * 0x83DCD12D (exact)."""
+    lo = _byte_sum(sa * 0x83DCD12D, 1, 0x64006400, ASM)
+    hi = _byte_sum(sb * 0x83DCD12D, 1, 0, ASM)
+    return lo + (hi << 16)
+
+
+@triton.jit
+def _pack_v(p, sh, Ja: tl.constexpr, Jb: tl.constexpr, K: tl.constexpr, CB: tl.constexpr, ASM: tl.constexpr):
+    """The reference's fp16 values of weights Ja, Jb as one pair (bit-exact weights)."""
+    va = _weight(p, sh, Ja, K, CB, ASM).to(tl.uint16, bitcast=True).to(tl.uint32)
+    vb = _weight(p, sh, Jb, K, CB, ASM).to(tl.uint16, bitcast=True).to(tl.uint32)
+    return va | (vb << 16)
+
+
+@triton.jit
+def _b_regs(p, sh, K: tl.constexpr, CB: tl.constexpr, ASM: tl.constexpr, AFF: tl.constexpr):
+    """Lane e's B registers: (J 0-1, J 2-3) for columns 0-7, (J 4-5, J 6-7) for 8-15."""
+    if AFF:
+        s0, s1, s2, s3, s4, s5, s6, s7 = _states(p, sh, K)
+        return _pack_h(s0, s1, ASM), _pack_h(s2, s3, ASM), _pack_h(s4, s5, ASM), _pack_h(s6, s7, ASM)
+    return (_pack_v(p, sh, 0, 1, K, CB, ASM), _pack_v(p, sh, 2, 3, K, CB, ASM),
+            _pack_v(p, sh, 4, 5, K, CB, ASM), _pack_v(p, sh, 6, 7, K, CB, ASM))
+
+
+@triton.jit(do_not_specialize=["M", "per_split"])
+def _mma_kernel(x_ptr, w_ptr, tile_part_ptr, out_ptr, M, TI, TJS, NP, per_split, stride_xp, stride_xm,
+                K: tl.constexpr, CB: tl.constexpr, TK: tl.constexpr, TN: tl.constexpr, WARPS: tl.constexpr,
+                ROWS16: tl.constexpr, EVEN_K: tl.constexpr, ASM: tl.constexpr, AFF: tl.constexpr,
+                PTX: tl.constexpr):
+    """out[split, m, block] = xh[m, the split's K rows] @ Wq[those rows, block] (float32) for
+    16 rows m per program (``ROWS16`` False: only the first 8 can be live). x: the part's
+    transformed x as int32 words (fp16 pairs); strides in words. Grid: (column blocks of
+    16 TN, splits, row blocks of 16)."""
+    pid_n = tl.program_id(0)
+    pid_s = tl.program_id(1)
+    x_ptr += tl.load(tile_part_ptr + pid_n * TN) * stride_xp
+    RING: tl.constexpr = 256 * K
+    e = tl.arange(0, 32)[:, None, None]
+    w = tl.arange(0, WARPS)[None, :, None]
+    tn = tl.arange(0, TN)[None, None, :]
+    start = ((8 * e + 1) * K + (RING - 16)) % RING  # first window of each group, ring bits
+    word = start // 32
+    # Per lane and warp one pointer; tile column tn is a constant offset (an LDG immediate).
+    row0 = (w * TJS + pid_n * TN) * (8 * K)
+    pa = w_ptr + row0 + word
+    pb = w_ptr + row0 + (word + 1) % (8 * K)
+    tno = tn * (8 * K)
+    sh = (48 - start % 32).to(tl.uint64)
+    m = tl.program_id(2) * 16 + e // 4  # [32, 1, 1]: lane's A row g (and g + 8)
+    xrow = x_ptr + m.to(tl.int64) * stride_xm + e % 4  # word 8 tk + t of row g
+    z = tl.zeros((32, WARPS, TN), tl.float32)
+    acc0, acc1, acc2, acc3 = z, z, z, z  # columns 0-7: rows g (0, 1), g + 8 (2, 3)
+    acc4, acc5, acc6, acc7 = z, z, z, z  # columns 8-15
+    zs = tl.zeros((32, WARPS, 1), tl.float32)
+    xs0, xs1, xs2, xs3 = zs, zs, zs, zs  # AFF: sums of x over the split's rows (g: 0, g + 8: 2)
+    zero = tl.zeros((32, WARPS, 1), tl.uint32)
+    ones = zero + ONES
+    lo = pid_s * per_split
+    for step in range(lo, tl.minimum(lo + per_split, tl.cdiv(TI, TK))):
+        for i in tl.static_range(TK // WARPS):
+            tr = step * TK + i * WARPS  # first tile row of this slice
+            so = tr.to(tl.int64) * TJS * (8 * K)
+            tk = tr + w  # [1, WARPS, 1]
+            if EVEN_K:
+                a = tl.load((pa + so) + tno)
+                b = tl.load((pb + so) + tno)
+                xm0 = m < M
+            else:
+                a = tl.load((pa + so) + tno, mask=tk < TI, other=0)
+                b = tl.load((pb + so) + tno, mask=tk < TI, other=0)
+                xm0 = (m < M) & (tk < TI)
+            p = (a.to(tl.uint32, bitcast=True).to(tl.uint64) << 32) | b.to(tl.uint32, bitcast=True).to(tl.uint64)
+            xp = xrow + 8 * tk
+            a0 = tl.load(xp, mask=xm0, other=0).to(tl.uint32, bitcast=True)
+            a2 = tl.load(xp + 4, mask=xm0, other=0).to(tl.uint32, bitcast=True)
+            if ROWS16:
+                xm1 = xm0 & (m + 8 < M)
+                a1 = tl.load(xp + 8 * stride_xm, mask=xm1, other=0).to(tl.uint32, bitcast=True)
+                a3 = tl.load(xp + 8 * stride_xm + 4, mask=xm1, other=0).to(tl.uint32, bitcast=True)
+            else:
+                a1, a3 = zero, zero
+            b01, b23, b45, b67 = _b_regs(p, sh, K, CB, ASM, AFF)
+            acc0, acc1, acc2, acc3 = _mma(a0, a1, a2, a3, b01, b23, acc0, acc1, acc2, acc3, PTX, WARPS, TN)
+            acc4, acc5, acc6, acc7 = _mma(a0, a1, a2, a3, b45, b67, acc4, acc5, acc6, acc7, PTX, WARPS, TN)
+            if AFF:  # without ROWS16, rows g + 8 stay zero: a1 = a3 = 0 (carried, not re-zeroed)
+                xs0, xs1, xs2, xs3 = _mma(a0, a1, a2, a3, ones, ones, xs0, xs1, xs2, xs3, PTX, WARPS, 1)
+    _store(out_ptr, acc0, acc1, acc2, acc3, acc4, acc5, acc6, acc7, xs0, xs2, m, M, NP, pid_n, pid_s,
+           TN, ROWS16, AFF)
+
+
+@triton.jit
+def _store_c(base, y, xs, row, col, M, NP, AFF: tl.constexpr):
+    """One C register of every lane: y [32, WARPS, TN] summed over the warps' tile rows."""
+    y = tl.sum(y, 1)
+    if AFF:
+        y = K_INV * y + K_BIAS * tl.reshape(tl.sum(xs, 1), (32, 1))
+    tl.store(base + row.to(tl.int64) * NP + col, y, mask=row < M)
+
+
+@triton.jit
+def _store(out_ptr, a0, a1, a2, a3, a4, a5, a6, a7, xs0, xs2, m, M, NP, pid_n, pid_s, TN: tl.constexpr,
+           ROWS16: tl.constexpr, AFF: tl.constexpr):
+    """Lane (g, t)'s C fragments -> out[split, row g (a0, a1, a4, a5) or g + 8, column
+    16 tn + 8 half + 2 t + i] (half 1: a4-a7)."""
+    e = tl.arange(0, 32)[:, None]
+    col = pid_n * TN * 16 + 16 * tl.arange(0, TN)[None, :] + 2 * (e % 4)
+    row = tl.reshape(m, (32, 1))
+    base = out_ptr + pid_s.to(tl.int64) * M * NP
+    _store_c(base, a0, xs0, row, col, M, NP, AFF)
+    _store_c(base, a1, xs0, row, col + 1, M, NP, AFF)
+    _store_c(base, a4, xs0, row, col + 8, M, NP, AFF)
+    _store_c(base, a5, xs0, row, col + 9, M, NP, AFF)
+    if ROWS16:
+        _store_c(base, a2, xs2, row + 8, col, M, NP, AFF)
+        _store_c(base, a3, xs2, row + 8, col + 1, M, NP, AFF)
+        _store_c(base, a6, xs2, row + 8, col + 8, M, NP, AFF)
+        _store_c(base, a7, xs2, row + 8, col + 9, M, NP, AFF)
+
+
+def mma_partials(f, x: torch.Tensor, m: int, cfg, splits: int, per: int, stride_xp: int, stride_xm: int,
+                 out: torch.Tensor, asm: bool) -> None:
+    """Launch over f (an EXL3Fused, K <= 4) with x the fp16 transformed activations
+    [parts, m, in_p]; ``out`` [splits, m, padded_out] float32."""
+    ti, tj, _ = f.trellis.shape
+    interp = os.environ.get("TRITON_INTERPRET") == "1"
+    if cfg.tk % cfg.warps:
+        raise ValueError(f"mma needs warps to divide tk, got {cfg}")
+    _mma_kernel[(tj // cfg.tn, splits, triton.cdiv(m, 16))](
+        x.view(torch.int32), f.trellis.view(torch.int32), f.tile_part, out, m, ti, _tile_stride(f.trellis),
+        f.padded_out, per, stride_xp // 2, stride_xm // 2, K=f.bits, CB=CODEBOOK_IDS[f.codebook], TK=cfg.tk,
+        TN=cfg.tn, WARPS=cfg.warps, ROWS16=m > 8, EVEN_K=ti % cfg.tk == 0, ASM=asm,
+        AFF=cfg.affine and f.codebook == "mul1", PTX=not interp, num_warps=cfg.warps, num_stages=cfg.stages)
