@@ -98,6 +98,8 @@ VARIANTS: dict[str, tuple[FastConfig, tuple[int, ...]]] = {
     "mma-16x4-aff-w8": (FastConfig(tk=16, tn=4, warps=8, dot=False, asm=True, mma=True, affine=True), (1, 8, 32)),
     "mma-8x4-aff-pps8": (FastConfig(tk=8, tn=4, dot=False, asm=True, mma=True, affine=True, programs_per_sm=8),
                          (1, 8, 32)),
+    "mma-8x4-aff-bm32": (FastConfig(tk=8, tn=4, dot=False, asm=True, mma=True, affine=True, block_m=32), (32,)),
+    "mma-8x2-aff-bm32": (FastConfig(tk=8, tn=2, dot=False, asm=True, mma=True, affine=True, block_m=32), (32,)),
     "mm-8x8-bm32": (FastConfig(tk=8, tn=8, block_m=32), (32,)),
     "mm-8x8-bm32-w8": (FastConfig(tk=8, tn=8, warps=8, block_m=32), (32,)),
     "mm-4x8-bm32": (FastConfig(tk=4, tn=8, block_m=32), (32,)),

@@ -185,12 +185,13 @@ def test_fast_every_k_codebook_and_rows(bits, codebook, device):
 
 # exl3_mma (K <= 4; K = 5 takes the split dot kernel): one row; 3 rows on an uneven last step
 # (tk 16 of 24 tile rows) with bit-exact weights; 16 rows (rows g + 8 live) on 2 warps; 33 rows
-# in three row blocks, 1 warp.
+# in three row blocks, 1 warp; 40 rows in two programs of 32 (two row blocks sharing a decode).
 MMA_ROWS = [
     (1, FastConfig(tk=8, tn=4, dot=False, mma=True, affine=True, asm=True)),
     (3, FastConfig(tk=16, tn=2, dot=False, mma=True)),
     (16, FastConfig(tk=8, tn=4, warps=2, dot=False, mma=True, affine=True)),
     (33, FastConfig(tk=4, tn=8, warps=1, dot=False, mma=True, affine=True)),
+    (40, FastConfig(tk=8, tn=2, warps=2, dot=False, mma=True, affine=True, block_m=32)),
 ]
 
 

@@ -96,7 +96,8 @@ class FastConfig:
     mma: bool = False
     """exl3_mma's kernel (K <= 4; other K fall back to the split dot kernel): lanes decode
     their own mma B fragments, 1-16 rows for the decode of one; with affine (MUL1) the
-    weights are 1024 + B in fp16 and the affine map is applied to the sums."""
+    weights are 1024 + B in fp16 and the affine map is applied to the sums. block_m 32:
+    two 16-row blocks share each decode."""
     programs_per_sm: int = 4
     block_m: int = 16
     """Rows per program for the dot (16..64; M above it takes several row blocks)."""
@@ -453,7 +454,7 @@ def fast_partials(f: EXL3Fused, x2: torch.Tensor, cfg: FastConfig) -> torch.Tens
     mma = cfg.mma and GROUP[f.bits] == 8
     if cfg.mma and not mma:  # K > 4: the split dot kernel
         cfg = FastConfig(tk=cfg.tk, tn=max(cfg.tn, 2), asm=cfg.asm, split=True)
-    bm = 16 if mma else min(cfg.block_m, max(16, _pow2(m))) if cfg.dot else 1
+    bm = (32 if cfg.block_m >= 32 and m > 16 else 16) if mma else min(cfg.block_m, max(16, _pow2(m))) if cfg.dot else 1
     if in_had:
         x, stride_xp, stride_xm = x2, 0, x2.stride(0)
     else:

@@ -150,12 +150,12 @@ def _b_regs(p, sh, K: tl.constexpr, CB: tl.constexpr, ASM: tl.constexpr, AFF: tl
 @triton.jit(do_not_specialize=["M", "per_split"])
 def _mma_kernel(x_ptr, w_ptr, tile_part_ptr, out_ptr, M, TI, TJS, NP, per_split, stride_xp, stride_xm,
                 K: tl.constexpr, CB: tl.constexpr, TK: tl.constexpr, TN: tl.constexpr, WARPS: tl.constexpr,
-                ROWS16: tl.constexpr, EVEN_K: tl.constexpr, ASM: tl.constexpr, AFF: tl.constexpr,
-                PTX: tl.constexpr):
+                ROWS16: tl.constexpr, MB: tl.constexpr, EVEN_K: tl.constexpr, ASM: tl.constexpr,
+                AFF: tl.constexpr, PTX: tl.constexpr):
     """out[split, m, block] = xh[m, the split's K rows] @ Wq[those rows, block] (float32) for
-    16 rows m per program (``ROWS16`` False: only the first 8 can be live). x: the part's
-    transformed x as int32 words (fp16 pairs); strides in words. Grid: (column blocks of
-    16 TN, splits, row blocks of 16)."""
+    16 MB rows m per program (MB 1 or 2 row blocks sharing each decode; ``ROWS16`` False:
+    only the first 8 can be live). x: the part's transformed x as int32 words (fp16
+    pairs); strides in words. Grid: (column blocks of 16 TN, splits, row blocks of 16 MB)."""
     pid_n = tl.program_id(0)
     pid_s = tl.program_id(1)
     x_ptr += tl.load(tile_part_ptr + pid_n * TN) * stride_xp
@@ -171,13 +171,16 @@ def _mma_kernel(x_ptr, w_ptr, tile_part_ptr, out_ptr, M, TI, TJS, NP, per_split,
     pb = w_ptr + row0 + (word + 1) % (8 * K)
     tno = tn * (8 * K)
     sh = (48 - start % 32).to(tl.uint64)
-    m = tl.program_id(2) * 16 + e // 4  # [32, 1, 1]: lane's A row g (and g + 8)
+    m = tl.program_id(2) * (16 * MB) + e // 4  # [32, 1, 1]: lane's A row g (and g + 8; + 16 with MB 2)
     xrow = x_ptr + m.to(tl.int64) * stride_xm + e % 4  # word 8 tk + t of row g
     z = tl.zeros((32, WARPS, TN), tl.float32)
     acc0, acc1, acc2, acc3 = z, z, z, z  # columns 0-7: rows g (0, 1), g + 8 (2, 3)
     acc4, acc5, acc6, acc7 = z, z, z, z  # columns 8-15
+    acc8, acc9, acc10, acc11 = z, z, z, z  # MB 2: the second row block's
+    acc12, acc13, acc14, acc15 = z, z, z, z
     zs = tl.zeros((32, WARPS, 1), tl.float32)
     xs0, xs1, xs2, xs3 = zs, zs, zs, zs  # AFF: sums of x over the split's rows (g: 0, g + 8: 2)
+    xs4, xs5, xs6, xs7 = zs, zs, zs, zs
     zero = tl.zeros((32, WARPS, 1), tl.uint32)
     ones = zero + ONES
     lo = pid_s * per_split
@@ -195,22 +198,40 @@ def _mma_kernel(x_ptr, w_ptr, tile_part_ptr, out_ptr, M, TI, TJS, NP, per_split,
                 b = tl.load((pb + so) + tno, mask=tk < TI, other=0)
                 xm0 = (m < M) & (tk < TI)
             p = (a.to(tl.uint32, bitcast=True).to(tl.uint64) << 32) | b.to(tl.uint32, bitcast=True).to(tl.uint64)
-            xp = xrow + 8 * tk
-            a0 = tl.load(xp, mask=xm0, other=0).to(tl.uint32, bitcast=True)
-            a2 = tl.load(xp + 4, mask=xm0, other=0).to(tl.uint32, bitcast=True)
-            if ROWS16:
-                xm1 = xm0 & (m + 8 < M)
-                a1 = tl.load(xp + 8 * stride_xm, mask=xm1, other=0).to(tl.uint32, bitcast=True)
-                a3 = tl.load(xp + 8 * stride_xm + 4, mask=xm1, other=0).to(tl.uint32, bitcast=True)
-            else:
-                a1, a3 = zero, zero
+            a0, a1, a2, a3 = _a_frags(xrow + 8 * tk, xm0, m, M, stride_xm, ROWS16, zero)
             b01, b23, b45, b67 = _b_regs(p, sh, K, CB, ASM, AFF)
             acc0, acc1, acc2, acc3 = _mma(a0, a1, a2, a3, b01, b23, acc0, acc1, acc2, acc3, PTX, WARPS, TN)
             acc4, acc5, acc6, acc7 = _mma(a0, a1, a2, a3, b45, b67, acc4, acc5, acc6, acc7, PTX, WARPS, TN)
             if AFF:  # without ROWS16, rows g + 8 stay zero: a1 = a3 = 0 (carried, not re-zeroed)
                 xs0, xs1, xs2, xs3 = _mma(a0, a1, a2, a3, ones, ones, xs0, xs1, xs2, xs3, PTX, WARPS, 1)
+            if MB == 2:  # rows 16-31: the same B registers
+                a0, a1, a2, a3 = _a_frags(xrow + 16 * stride_xm + 8 * tk, xm0 & (m + 16 < M), m + 16, M,
+                                          stride_xm, True, zero)
+                acc8, acc9, acc10, acc11 = _mma(a0, a1, a2, a3, b01, b23, acc8, acc9, acc10, acc11, PTX, WARPS, TN)
+                acc12, acc13, acc14, acc15 = _mma(a0, a1, a2, a3, b45, b67, acc12, acc13, acc14, acc15, PTX,
+                                                  WARPS, TN)
+                if AFF:
+                    xs4, xs5, xs6, xs7 = _mma(a0, a1, a2, a3, ones, ones, xs4, xs5, xs6, xs7, PTX, WARPS, 1)
     _store(out_ptr, acc0, acc1, acc2, acc3, acc4, acc5, acc6, acc7, xs0, xs2, m, M, NP, pid_n, pid_s,
            TN, ROWS16, AFF)
+    if MB == 2:
+        _store(out_ptr, acc8, acc9, acc10, acc11, acc12, acc13, acc14, acc15, xs4, xs6, m + 16, M, NP, pid_n,
+               pid_s, TN, True, AFF)
+
+
+@triton.jit
+def _a_frags(xp, xm0, m, M, stride_xm, ROWS16: tl.constexpr, zero):
+    """Lane (g, t)'s A registers for one tile row: x rows g (a0, a2) and g + 8 (a1, a3), words
+    t and 4 + t of the tile row (``xp``: row g's word 8 tk + t); rows g + 8 zero unless ROWS16."""
+    a0 = tl.load(xp, mask=xm0, other=0).to(tl.uint32, bitcast=True)
+    a2 = tl.load(xp + 4, mask=xm0, other=0).to(tl.uint32, bitcast=True)
+    if ROWS16:
+        xm1 = xm0 & (m + 8 < M)
+        a1 = tl.load(xp + 8 * stride_xm, mask=xm1, other=0).to(tl.uint32, bitcast=True)
+        a3 = tl.load(xp + 8 * stride_xm + 4, mask=xm1, other=0).to(tl.uint32, bitcast=True)
+    else:
+        a1, a3 = zero, zero
+    return a0, a1, a2, a3
 
 
 @triton.jit
@@ -250,8 +271,9 @@ def mma_partials(f, x: torch.Tensor, m: int, cfg, splits: int, per: int, stride_
     interp = os.environ.get("TRITON_INTERPRET") == "1"
     if cfg.tk % cfg.warps:
         raise ValueError(f"mma needs warps to divide tk, got {cfg}")
-    _mma_kernel[(tj // cfg.tn, splits, triton.cdiv(m, 16))](
+    mb = 2 if cfg.block_m >= 32 and m > 16 else 1
+    _mma_kernel[(tj // cfg.tn, splits, triton.cdiv(m, 16 * mb))](
         x.view(torch.int32), f.trellis.view(torch.int32), f.tile_part, out, m, ti, _tile_stride(f.trellis),
         f.padded_out, per, stride_xp // 2, stride_xm // 2, K=f.bits, CB=CODEBOOK_IDS[f.codebook], TK=cfg.tk,
-        TN=cfg.tn, WARPS=cfg.warps, ROWS16=m > 8, EVEN_K=ti % cfg.tk == 0, ASM=asm,
+        TN=cfg.tn, WARPS=cfg.warps, ROWS16=m > 8, MB=mb, EVEN_K=ti % cfg.tk == 0, ASM=asm,
         AFF=cfg.affine and f.codebook == "mul1", PTX=not interp, num_warps=cfg.warps, num_stages=cfg.stages)
