@@ -37,7 +37,7 @@ c)
     tail -3 "$out/pytest-mma.txt"
     mkdir -p "$out/sweep"
     timeout 300 python3 scripts/gpu_exl3_sweep.py --out "$out/sweep" --budget 280 --combos 4:mul1 --layer-only \
-        --variants row-8x4-asm-aff,mma-8x4-aff,mma-8x2-aff,mma-8x8-aff,mma-8x4-aff-w8,mma-8x4-aff-bm32,mma-8x2-aff-bm32,dot-8x8-split-asm,mm-8x8-bm32-had-asm \
+        --variants row-8x4-asm-aff,mma-8x4-aff,mma-8x4-aff-fo,mma-8x2-aff,mma-8x8-aff,mma-8x4-aff-w8,mma-8x4-aff-bm32,mma-8x4-aff-bm32-fo,dot-8x8-split-asm,mm-8x8-bm32-had-asm \
         2>&1 | tail -40
     tail -3 "$out/pytest-mma.txt"
     ;;

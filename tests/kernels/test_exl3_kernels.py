@@ -186,12 +186,16 @@ def test_fast_every_k_codebook_and_rows(bits, codebook, device):
 # exl3_mma (K <= 4; K = 5 takes the split dot kernel): one row; 3 rows on an uneven last step
 # (tk 16 of 24 tile rows) with bit-exact weights; 16 rows (rows g + 8 live) on 2 warps; 33 rows
 # in three row blocks, 1 warp; 40 rows in two programs of 32 (two row blocks sharing a decode).
+# fuse_out: the output transform run by the last program of each 128-column block.
 MMA_ROWS = [
     (1, FastConfig(tk=8, tn=4, dot=False, mma=True, affine=True, asm=True)),
+    (1, FastConfig(tk=8, tn=4, dot=False, mma=True, affine=True, fuse_out=True)),
+    (16, FastConfig(tk=16, tn=8, warps=2, dot=False, mma=True, fuse_out=True)),
     (3, FastConfig(tk=16, tn=2, dot=False, mma=True)),
     (16, FastConfig(tk=8, tn=4, warps=2, dot=False, mma=True, affine=True)),
     (33, FastConfig(tk=4, tn=8, warps=1, dot=False, mma=True, affine=True)),
     (40, FastConfig(tk=8, tn=2, warps=2, dot=False, mma=True, affine=True, block_m=32)),
+    (40, FastConfig(tk=8, tn=2, warps=2, dot=False, mma=True, affine=True, block_m=32, fuse_out=True)),
 ]
 
 
@@ -209,6 +213,13 @@ def test_mma_merged_parts_and_dispatch(device):
     f = exl3_fast.fuse(parts)
     for dtype in (torch.bfloat16, torch.float32):
         _check_fast(f, 5, FastConfig(tk=4, tn=2, dot=False, mma=True, affine=True), dtype, want_parts=parts)
+        for _ in range(2):  # the counters are back at 0 after each call
+            _check_fast(f, 5, FastConfig(tk=4, tn=2, dot=False, mma=True, affine=True, fuse_out=True), dtype,
+                        want_parts=parts)
+        assert int(f.counters.abs().sum()) == 0
+    # More row blocks than counters: the separate output transform.
+    _check_fast(f, 16 * f.counters.shape[0] + 1, FastConfig(tk=4, tn=2, dot=False, mma=True, fuse_out=True),
+                want_parts=parts)
     cfg = FastConfig(tk=8, tn=4, dot=False, mma=True, affine=True)
     d = exl3_fast.FastDispatch(one_row=cfg, gemv=cfg, gemv_max_rows=32)
     assert exl3_fast.choose_config(1, d) is cfg and exl3_fast.choose_config(32, d) is cfg

@@ -98,6 +98,9 @@ class FastConfig:
     their own mma B fragments, 1-16 rows for the decode of one; with affine (MUL1) the
     weights are 1024 + B in fp16 and the affine map is applied to the sums. block_m 32:
     two 16-row blocks share each decode."""
+    fuse_out: bool = False
+    """With mma: the last program of each 128-column block runs the output transform (no
+    output-transform launch)."""
     programs_per_sm: int = 4
     block_m: int = 16
     """Rows per program for the dot (16..64; M above it takes several row blocks)."""
@@ -405,6 +408,7 @@ def _fast_reconstruct_kernel(w_ptr, out_ptr, TI, TJS, stride_o, K: tl.constexpr,
 # Merged layers live in exl3_fused; re-exported here, where callers have always found them.
 from trellm.kernels.exl3_fused import EXL3Fused, _had_table, fusable, fuse, fuse_groups  # noqa: E402,F401
 from trellm.kernels.exl3_prefill import prefill_matmul  # noqa: E402
+from trellm.kernels import exl3_mma  # noqa: E402  (imports _byte_sum, _weight from here)
 
 
 # ---- launches ---------------------------------------------------------------------------------
@@ -431,6 +435,8 @@ def _check(cfg: FastConfig, m: int) -> None:
         raise ValueError(f"row is the one-row FMA kernel (dot=False), got {cfg}")
     if cfg.affine and not (cfg.row or cfg.mma):
         raise ValueError(f"affine is a mode of the row and mma kernels, got {cfg}")
+    if cfg.fuse_out and not cfg.mma:
+        raise ValueError(f"fuse_out is a mode of the mma kernel, got {cfg}")
     if cfg.mma and (cfg.dot or cfg.row or cfg.split or cfg.tk % cfg.warps):
         raise ValueError(f"mma is its own kernel (dot, row, split off; warps dividing tk), got {cfg}")
 
@@ -444,9 +450,10 @@ def fast_input_transform(f: EXL3Fused, x2: torch.Tensor, dtype: torch.dtype) -> 
     return out
 
 
-def fast_partials(f: EXL3Fused, x2: torch.Tensor, cfg: FastConfig) -> torch.Tensor:
+def fast_partials(f: EXL3Fused, x2: torch.Tensor, cfg: FastConfig, y: torch.Tensor | None = None) -> torch.Tensor:
     """Split-K partials [S, M, sum out_p] (float32) of every part's ``xh @ Wq``; x2 is the
-    raw activations [M, in_features] (contiguous rows)."""
+    raw activations [M, in_features] (contiguous rows). ``y``: exl3_mma writes the
+    transformed output there too (``exl3_mma.can_fuse``)."""
     m = x2.shape[0]
     _check(cfg, m)
     ti, tj, _ = f.trellis.shape
@@ -454,7 +461,7 @@ def fast_partials(f: EXL3Fused, x2: torch.Tensor, cfg: FastConfig) -> torch.Tens
     mma = cfg.mma and GROUP[f.bits] == 8
     if cfg.mma and not mma:  # K > 4: the split dot kernel
         cfg = FastConfig(tk=cfg.tk, tn=max(cfg.tn, 2), asm=cfg.asm, split=True)
-    bm = (32 if cfg.block_m >= 32 and m > 16 else 16) if mma else min(cfg.block_m, max(16, _pow2(m))) if cfg.dot else 1
+    bm = 16 * exl3_mma.row_blocks(cfg, m) if mma else min(cfg.block_m, max(16, _pow2(m))) if cfg.dot else 1
     if in_had:
         x, stride_xp, stride_xm = x2, 0, x2.stride(0)
     else:
@@ -466,9 +473,7 @@ def fast_partials(f: EXL3Fused, x2: torch.Tensor, cfg: FastConfig) -> torch.Tens
     splits = triton.cdiv(steps, per)
     out = torch.empty(splits, m, f.padded_out, dtype=torch.float32, device=x2.device)
     if mma:
-        from trellm.kernels.exl3_mma import mma_partials
-
-        mma_partials(f, x, m, cfg, splits, per, stride_xp, stride_xm, out, _use_asm(cfg.asm, f.codebook))
+        exl3_mma.mma_partials(f, x, m, cfg, splits, per, stride_xp, stride_xm, out, _use_asm(cfg.asm, f.codebook), y)
         return out
     if cfg.row and not cfg.dot and GROUP[f.bits] == 8:
         from trellm.kernels.exl3_row import _row_kernel
@@ -525,7 +530,12 @@ def fast_matmul(f: EXL3Fused, x: torch.Tensor, cfg: FastConfig | None = None,
         return x.new_empty(*x.shape[:-1], f.out_features)
     if cfg is None and m >= d.reconstruct_min_rows:
         return fast_prefill(f, x2, d.reconstruct_cols, x.dtype).reshape(*x.shape[:-1], f.out_features)
-    part = fast_partials(f, x2, cfg or choose_config(m, d))
+    cfg = cfg or choose_config(m, d)
+    if cfg.mma and GROUP[f.bits] == 8 and exl3_mma.can_fuse(f, cfg, m):
+        y = torch.empty(m, f.out_features, dtype=x.dtype, device=x.device)
+        fast_partials(f, x2, cfg, y)
+        return y.reshape(*x.shape[:-1], f.out_features)
+    part = fast_partials(f, x2, cfg)
     return fast_output_transform(f, part, x.dtype).reshape(*x.shape[:-1], f.out_features)
 
 

@@ -40,6 +40,9 @@ class EXL3Fused:
     codebook: str
     in_features: int
     out_features: int
+    counters: torch.Tensor | None = None
+    """int32 [COUNTER_ROW_BLOCKS, sum out_p / 128], zeros between launches: the arrival
+    counts of exl3_mma's fused output transform (the last program of a block finishes it)."""
 
     @property
     def padded_in(self) -> int:
@@ -57,6 +60,10 @@ def fusable(parts: list[EXL3Weight]) -> bool:
             and all(p.bits == first.bits and p.codebook == first.codebook and p.in_features == first.in_features
                     and p.trellis.device == first.trellis.device and (p.bias is None) == (first.bias is None)
                     for p in parts))
+
+
+COUNTER_ROW_BLOCKS = 16
+"""Row blocks (16 or 32 rows each) exl3_mma's fused output transform keeps counters for."""
 
 
 def fuse(parts: list[EXL3Weight]) -> EXL3Fused:
@@ -80,7 +87,8 @@ def fuse(parts: list[EXL3Weight]) -> EXL3Fused:
     return EXL3Fused(tuple(views), trellis, torch.stack([p.suh for p in parts]).contiguous(),
                      torch.cat([p.svh for p in parts]).contiguous(), bias, torch.tensor(tile_part, **i32),
                      torch.tensor(dest, **i32), torch.tensor(ncols, **i32), _had_table(dev),
-                     int(parts[0].bits), parts[0].codebook, parts[0].in_features, col)
+                     int(parts[0].bits), parts[0].codebook, parts[0].in_features, col,
+                     torch.zeros(COUNTER_ROW_BLOCKS, trellis.shape[1] // 8, **i32))
 
 
 def fuse_groups(parts: list[EXL3Weight]) -> list[EXL3Fused | EXL3Weight]:

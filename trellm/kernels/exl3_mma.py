@@ -43,7 +43,7 @@ import torch
 
 from trellm.kernels._triton import tl, triton
 from trellm.kernels.exl3_decode import CODEBOOK_IDS
-from trellm.kernels.exl3_fast import _byte_sum, _tile_stride, _weight
+from trellm.kernels.exl3_fast import _byte_sum, _weight
 
 K_INV = tl.constexpr(0.00676727294921875)  # fp16 0x1EEE
 K_BIAS = tl.constexpr(-10.3828125)  # fp16 0xC931
@@ -149,13 +149,16 @@ def _b_regs(p, sh, K: tl.constexpr, CB: tl.constexpr, ASM: tl.constexpr, AFF: tl
 
 @triton.jit(do_not_specialize=["M", "per_split"])
 def _mma_kernel(x_ptr, w_ptr, tile_part_ptr, out_ptr, M, TI, TJS, NP, per_split, stride_xp, stride_xm,
+                y_ptr, svh_ptr, bias_ptr, dest_ptr, ncols_ptr, counter_ptr, stride_y,
                 K: tl.constexpr, CB: tl.constexpr, TK: tl.constexpr, TN: tl.constexpr, WARPS: tl.constexpr,
                 ROWS16: tl.constexpr, MB: tl.constexpr, EVEN_K: tl.constexpr, ASM: tl.constexpr,
-                AFF: tl.constexpr, PTX: tl.constexpr):
+                AFF: tl.constexpr, PTX: tl.constexpr, FUSE: tl.constexpr, HAS_BIAS: tl.constexpr):
     """out[split, m, block] = xh[m, the split's K rows] @ Wq[those rows, block] (float32) for
     16 MB rows m per program (MB 1 or 2 row blocks sharing each decode; ``ROWS16`` False:
     only the first 8 can be live). x: the part's transformed x as int32 words (fp16
-    pairs); strides in words. Grid: (column blocks of 16 TN, splits, row blocks of 16 MB)."""
+    pairs); strides in words. Grid: (column blocks of 16 TN, splits, row blocks of 16 MB).
+    ``FUSE``: the last program to finish a 128-column block also runs the output transform
+    for it (``_arrive_and_finish``) into y, so no output-transform launch follows."""
     pid_n = tl.program_id(0)
     pid_s = tl.program_id(1)
     x_ptr += tl.load(tile_part_ptr + pid_n * TN) * stride_xp
@@ -217,6 +220,53 @@ def _mma_kernel(x_ptr, w_ptr, tile_part_ptr, out_ptr, M, TI, TJS, NP, per_split,
     if MB == 2:
         _store(out_ptr, acc8, acc9, acc10, acc11, acc12, acc13, acc14, acc15, xs4, xs6, m + 16, M, NP, pid_n,
                pid_s, TN, True, AFF)
+    if FUSE:
+        blk = pid_n * TN * 16 // 128
+        _arrive_and_finish(out_ptr, y_ptr, svh_ptr, bias_ptr, dest_ptr, ncols_ptr,
+                           counter_ptr + tl.program_id(2) * (NP // 128) + blk, tl.program_id(2) * (16 * MB),
+                           blk, M, NP, stride_y, tl.num_programs(1) * (128 // (16 * TN)), tl.num_programs(1),
+                           16 * MB if ROWS16 else 8, HAS_BIAS)
+
+
+@triton.jit
+def _fwht128(v, BM: tl.constexpr):
+    """v [BM, 128] times the 128 x 128 Sylvester matrix (unscaled): seven constant-geometry
+    butterflies; each takes (j, j + 64) to (2 j, 2 j + 1) = (sum, difference), so index bit
+    6 is transformed and rotated to bit 0, and after seven every bit is, in place."""
+    for _ in tl.static_range(7):
+        a, b = tl.split(tl.permute(tl.reshape(v, (BM, 2, 64)), 0, 2, 1))
+        v = tl.reshape(tl.join(a + b, a - b), (BM, 128))
+    return v
+
+
+@triton.jit
+def _arrive_and_finish(part_ptr, y_ptr, svh_ptr, bias_ptr, dest_ptr, ncols_ptr, counter, row0, blk, M, NP,
+                       stride_y, n_used, splits, BM: tl.constexpr, HAS_BIAS: tl.constexpr):
+    """Count this program in on its 128-column block; the last of ``n_used`` arrivals sums
+    the splits (in split order: deterministic), applies exl3_decode._out_kernel's transform
+    (Hadamard, / sqrt(128), * svh, + bias) and writes the block's real columns; then sets
+    the counter back to 0. The pattern of paged_attention._arrive_and_combine: a CTA
+    barrier, one acq_rel atomic at GPU scope, the partials read through L2 (.cg)."""
+    tl.debug_barrier()
+    arrived = tl.atomic_add(counter, 1, sem="acq_rel", scope="gpu")
+    if arrived == n_used - 1:
+        j = tl.arange(0, 128)
+        scale = tl.load(svh_ptr + blk * 128 + j).to(tl.float32) * 0.08838834764831845
+        dest = tl.load(dest_ptr + blk) + j
+        cmask = j < tl.load(ncols_ptr + blk)
+        for r in tl.static_range(BM // 8):  # 8 rows at a time: few registers on top of the main loop's
+            rows = row0 + 8 * r + tl.arange(0, 8)
+            rmask = (rows < M)[:, None]
+            offs = rows[:, None].to(tl.int64) * NP + blk * 128 + j[None, :]
+            acc = tl.zeros((8, 128), tl.float32)
+            for s in range(splits):
+                acc += tl.load(part_ptr + s * M * NP + offs, mask=rmask, other=0.0, cache_modifier=".cg")
+            y = _fwht128(acc, 8) * scale[None, :]
+            if HAS_BIAS:
+                y = y + tl.load(bias_ptr + dest, mask=cmask, other=0.0).to(tl.float32)[None, :]
+            tl.store(y_ptr + rows[:, None].to(tl.int64) * stride_y + dest[None, :], y.to(y_ptr.dtype.element_ty),
+                     mask=rmask & cmask[None, :])
+        tl.atomic_xchg(counter, 0, sem="relaxed", scope="gpu")
 
 
 @triton.jit
@@ -264,16 +314,31 @@ def _store(out_ptr, a0, a1, a2, a3, a4, a5, a6, a7, xs0, xs2, m, M, NP, pid_n, p
 
 
 def mma_partials(f, x: torch.Tensor, m: int, cfg, splits: int, per: int, stride_xp: int, stride_xm: int,
-                 out: torch.Tensor, asm: bool) -> None:
+                 out: torch.Tensor, asm: bool, y: torch.Tensor | None = None) -> None:
     """Launch over f (an EXL3Fused, K <= 4) with x the fp16 transformed activations
-    [parts, m, in_p]; ``out`` [splits, m, padded_out] float32."""
+    [parts, m, in_p]; ``out`` [splits, m, padded_out] float32 partials. ``y`` [m,
+    out_features]: also the output transform, fused (``can_fuse``)."""
     ti, tj, _ = f.trellis.shape
     interp = os.environ.get("TRITON_INTERPRET") == "1"
     if cfg.tk % cfg.warps:
         raise ValueError(f"mma needs warps to divide tk, got {cfg}")
-    mb = 2 if cfg.block_m >= 32 and m > 16 else 1
+    mb = row_blocks(cfg, m)
+    fused = y is not None
     _mma_kernel[(tj // cfg.tn, splits, triton.cdiv(m, 16 * mb))](
-        x.view(torch.int32), f.trellis.view(torch.int32), f.tile_part, out, m, ti, _tile_stride(f.trellis),
-        f.padded_out, per, stride_xp // 2, stride_xm // 2, K=f.bits, CB=CODEBOOK_IDS[f.codebook], TK=cfg.tk,
-        TN=cfg.tn, WARPS=cfg.warps, ROWS16=m > 8, MB=mb, EVEN_K=ti % cfg.tk == 0, ASM=asm,
-        AFF=cfg.affine and f.codebook == "mul1", PTX=not interp, num_warps=cfg.warps, num_stages=cfg.stages)
+        x.view(torch.int32), f.trellis.view(torch.int32), f.tile_part, out, m, ti, f.trellis.stride(0) // f.trellis.shape[2],
+        f.padded_out, per, stride_xp // 2, stride_xm // 2,
+        y if fused else out, f.svh, f.bias if f.bias is not None else f.svh, f.dest, f.ncols,
+        f.counters if fused else f.tile_part, y.stride(0) if fused else 0,
+        K=f.bits, CB=CODEBOOK_IDS[f.codebook], TK=cfg.tk, TN=cfg.tn, WARPS=cfg.warps, ROWS16=m > 8, MB=mb,
+        EVEN_K=ti % cfg.tk == 0, ASM=asm, AFF=cfg.affine and f.codebook == "mul1", PTX=not interp,
+        FUSE=fused, HAS_BIAS=f.bias is not None, num_warps=cfg.warps, num_stages=cfg.stages)
+
+
+def row_blocks(cfg, m: int) -> int:
+    """16-row blocks per program: 2 with block_m >= 32 (and more than 16 rows)."""
+    return 2 if cfg.block_m >= 32 and m > 16 else 1
+
+
+def can_fuse(f, cfg, m: int) -> bool:
+    """The fused output transform needs its counters: one row of them per row-block program."""
+    return cfg.fuse_out and f.counters is not None and triton.cdiv(m, 16 * row_blocks(cfg, m)) <= f.counters.shape[0]
