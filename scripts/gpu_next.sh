@@ -8,7 +8,9 @@
 #   c: exl3_mma (tensor-core mma on lane-decoded fragments): its kernel tests, then the
 #      layer sweep at 1 / 8 / 32 rows against the row, split-dot and fused-Hadamard kernels;
 #   d: the engine at 4.0 bpw with the default dispatch and with exl3_mma for 1-32 rows, bf16 beside.
-# Usage: OUT=... scripts/gpu_next.sh a|b|c|d
+#   e: c and d in one call (short budgets): mma tests, sweep, the engine with exl3_mma
+#      (fused output transform unless the sweep's checks failed it).
+# Usage: OUT=... scripts/gpu_next.sh a|b|c|d|e
 # Carry .whl (../shared/gpu/wheels.sh) and .gpu (../shared/gpu/configs/*.json copied in).
 set -uo pipefail
 out=${OUT:-/tmp/gpu-next}; mkdir -p "$out"
@@ -47,5 +49,18 @@ d)
         --one-row "${MMA_ONE:-mma-8x4-aff}" --gemv "${MMA_GEMV:-mma-8x4-aff}" --gemv-max-rows 32 2>&1 | tail -14
     timeout 150 python3 scripts/gpu_exl3_check.py --out "$out/default" --stages engine --budget 140 --engines "exl3 4" \
         2>&1 | tail -8
+    ;;
+e)
+    timeout 150 python3 -m pytest -q -p no:cacheprovider tests/kernels/test_exl3_kernels.py -k mma > "$out/pytest-mma.txt" 2>&1
+    tail -2 "$out/pytest-mma.txt"
+    mkdir -p "$out/sweep" "$out/mma"
+    timeout 200 python3 scripts/gpu_exl3_sweep.py --out "$out/sweep" --budget 185 --combos 4:mul1 --layer-only \
+        --variants row-8x4-asm-aff,mma-8x4-aff,mma-8x4-aff-fo,mma-8x2-aff,mma-8x4-aff-w8,mma-8x4-aff-bm32,mma-8x4-aff-bm32-fo,dot-8x8-split-asm,mm-8x8-bm32-had-asm \
+        2>&1 | tail -32
+    fo=$(python3 -c "import json,sys; d=json.load(open('$out/sweep/gpu-exl3-sweep.json')); print('' if 'mma-8x4-aff-fo' in d['correctness'].get('failed_variants', []) else '-fo')" 2>/dev/null || echo "")
+    echo "engine with mma-8x4-aff$fo"
+    timeout 200 python3 scripts/gpu_exl3_check.py --out "$out/mma" --stages engine --budget 190 --engines "exl3 4" \
+        --one-row "mma-8x4-aff$fo" --gemv "mma-8x4-aff-bm32$fo" --gemv-max-rows 32 2>&1 | tail -8
+    tail -2 "$out/pytest-mma.txt"
     ;;
 esac
