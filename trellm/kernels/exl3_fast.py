@@ -408,7 +408,6 @@ def _fast_reconstruct_kernel(w_ptr, out_ptr, TI, TJS, stride_o, K: tl.constexpr,
 # Merged layers live in exl3_fused; re-exported here, where callers have always found them.
 from trellm.kernels.exl3_fused import EXL3Fused, _had_table, fusable, fuse, fuse_groups  # noqa: E402,F401
 from trellm.kernels.exl3_prefill import prefill_matmul  # noqa: E402
-from trellm.kernels import exl3_mma  # noqa: E402  (imports _byte_sum, _weight from here)
 
 
 # ---- launches ---------------------------------------------------------------------------------
@@ -454,6 +453,8 @@ def fast_partials(f: EXL3Fused, x2: torch.Tensor, cfg: FastConfig, y: torch.Tens
     """Split-K partials [S, M, sum out_p] (float32) of every part's ``xh @ Wq``; x2 is the
     raw activations [M, in_features] (contiguous rows). ``y``: exl3_mma writes the
     transformed output there too (``exl3_mma.can_fuse``)."""
+    from trellm.kernels import exl3_mma  # its module constants need Triton: imported on use
+
     m = x2.shape[0]
     _check(cfg, m)
     ti, tj, _ = f.trellis.shape
@@ -531,12 +532,18 @@ def fast_matmul(f: EXL3Fused, x: torch.Tensor, cfg: FastConfig | None = None,
     if cfg is None and m >= d.reconstruct_min_rows:
         return fast_prefill(f, x2, d.reconstruct_cols, x.dtype).reshape(*x.shape[:-1], f.out_features)
     cfg = cfg or choose_config(m, d)
-    if cfg.mma and GROUP[f.bits] == 8 and exl3_mma.can_fuse(f, cfg, m):
+    if cfg.mma and GROUP[f.bits] == 8 and _mma_can_fuse(f, cfg, m):
         y = torch.empty(m, f.out_features, dtype=x.dtype, device=x.device)
         fast_partials(f, x2, cfg, y)
         return y.reshape(*x.shape[:-1], f.out_features)
     part = fast_partials(f, x2, cfg)
     return fast_output_transform(f, part, x.dtype).reshape(*x.shape[:-1], f.out_features)
+
+
+def _mma_can_fuse(f: EXL3Fused, cfg: FastConfig, m: int) -> bool:
+    from trellm.kernels import exl3_mma
+
+    return exl3_mma.can_fuse(f, cfg, m)
 
 
 def fast_prefill(f: EXL3Fused, x2: torch.Tensor, max_cols: int, dtype: torch.dtype) -> torch.Tensor:
