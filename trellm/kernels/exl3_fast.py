@@ -112,13 +112,17 @@ class FastDispatch:
     at the Llama-3.1-8B shapes, K=4 mul1 (docs/benchmarks/gpu/exl3-sweep-*.json): for one
     row the coalesced row kernel in its affine MUL1 mode (H100, 2026-12-06: 119 us a layer
     against 143 for the split fma kernel, the H200 pick before it; other codebooks and
-    K > 4 take its exact paths), the split dot kernel up to 8 rows, the dot kernel with
-    the input Hadamard fused above that."""
+    K > 4 take its exact paths); 2-32 rows exl3_mma with its fused output transform (H100,
+    2026-12-06, exl3-sweep-h100-2026-12-06-mma*.json: 127 us a layer at 8 rows against 237
+    for the split dot kernel before it, 259 at 32 against 553 for the fused-Hadamard dot
+    kernel; K > 4 falls back to the split dot kernel); the dot kernel with the input
+    Hadamard fused above 32 rows; cuBLAS on reconstructed weights from 256."""
 
     one_row: FastConfig | None = FastConfig(tk=8, tn=4, dot=False, asm=True, row=True, affine=True)
     """M == 1 (None: the gemv config)."""
-    gemv: FastConfig = FastConfig(tk=8, tn=8, asm=True, split=True)
-    gemv_max_rows: int = 8
+    gemv: FastConfig = FastConfig(tk=8, tn=2, dot=False, asm=True, mma=True, affine=True, programs_per_sm=8,
+                                  fuse_out=True)
+    gemv_max_rows: int = 32
     gemm: FastConfig = FastConfig(tk=8, tn=8, in_had=True, asm=True, block_m=32)
     reconstruct_min_rows: int = 256
     """M >= this: decode to fp16 (``fast_reconstruct``) + cuBLAS, per part."""
