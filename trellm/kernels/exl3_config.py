@@ -1,0 +1,65 @@
+"""EXL3 fused-layer kernel variants (``FastConfig``) and which one runs for how many rows
+(``FastDispatch``): plain dataclasses, importable without Triton; exl3_fast re-exports them."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class FastConfig:
+    """One variant of the main kernel. BK = 16 tk input rows and BN = 16 tn output columns
+    per step; tn in (1, 2, 4, 8) so a block never straddles two parts."""
+
+    tk: int = 8
+    tn: int = 4
+    warps: int = 4
+    stages: int = 1
+    dot: bool = True
+    """tl.dot on fp16 activations (rows padded to block_m >= 16); False: float32 FMAs, one row."""
+    in_had: bool = False
+    """Fuse the input Hadamard into the main kernel (dot only; 16 tk a multiple of 128)."""
+    asm: bool = False
+    """MUL1's byte sum as one dp4a (inline PTX: GPU only, not the interpreter)."""
+    split: bool = False
+    """Skip the reorder of the decoded values to matrix order: G dots / FMAs per step with
+    gathered x rows instead (``_split_kernel``; not with in_had; dot needs tk >= 4, tn >= 2)."""
+    row: bool = False
+    """One row (FMA) only: exl3_row's coalesced kernel where G = 8 (K <= 4), else the split one."""
+    affine: bool = False
+    """With row, MUL1: weights not rounded to fp16 (exl3_row's AFF: ~5 instead of 8.6
+    instructions per weight; fp16-class tolerance instead of bit-exact weights)."""
+    mma: bool = False
+    """exl3_mma's kernel (K <= 4; other K fall back to the split dot kernel): lanes decode
+    their own mma B fragments, 1-16 rows for the decode of one; with affine (MUL1) the
+    weights are 1024 + B in fp16 and the affine map is applied to the sums. block_m 32:
+    two 16-row blocks share each decode."""
+    fuse_out: bool = False
+    """With mma: the last program of each 128-column block runs the output transform (no
+    output-transform launch)."""
+    programs_per_sm: int = 4
+    block_m: int = 16
+    """Rows per program for the dot (16..64; M above it takes several row blocks)."""
+
+
+@dataclass(frozen=True)
+class FastDispatch:
+    """Which FastConfig runs for M rows. Defaults: the picks of scripts/gpu_exl3_sweep.py
+    at the Llama-3.1-8B shapes, K=4 mul1 (docs/benchmarks/gpu/exl3-sweep-*.json): for one
+    row the coalesced row kernel in its affine MUL1 mode (H100, 2026-12-06: 119 us a layer
+    against 143 for the split fma kernel, the H200 pick before it; other codebooks and
+    K > 4 take its exact paths); 2-32 rows exl3_mma with its fused output transform (H100,
+    2026-12-06, exl3-sweep-h100-2026-12-06-mma*.json: 127 us a layer at 8 rows against 237
+    for the split dot kernel before it, 259 at 32 against 553 for the fused-Hadamard dot
+    kernel; K > 4 falls back to the split dot kernel); the dot kernel with the input
+    Hadamard fused above 32 rows; cuBLAS on reconstructed weights from 256."""
+
+    one_row: FastConfig | None = FastConfig(tk=8, tn=4, dot=False, asm=True, row=True, affine=True)
+    """M == 1 (None: the gemv config)."""
+    gemv: FastConfig = FastConfig(tk=8, tn=2, dot=False, asm=True, mma=True, affine=True, programs_per_sm=8,
+                                  fuse_out=True)
+    gemv_max_rows: int = 32
+    gemm: FastConfig = FastConfig(tk=8, tn=8, in_had=True, asm=True, block_m=32)
+    reconstruct_min_rows: int = 256
+    """M >= this: decode to fp16 (``fast_reconstruct``) + cuBLAS, per part."""
+    reconstruct_cols: int = 16384
+    """Output columns decoded per slice on that path (bounds its temporary)."""
