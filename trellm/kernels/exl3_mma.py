@@ -147,6 +147,21 @@ def _b_regs(p, sh, K: tl.constexpr, CB: tl.constexpr, ASM: tl.constexpr, AFF: tl
             _pack_v(p, sh, 4, 5, K, CB, ASM), _pack_v(p, sh, 6, 7, K, CB, ASM))
 
 
+@triton.jit
+def _word_pointers(w_ptr, pid_n, TJS, K: tl.constexpr, TN: tl.constexpr, WARPS: tl.constexpr):
+    """Per lane and warp the pointers to its group's word pair in the first tile row of the
+    block (step offsets are added per step); tile column tn is a constant offset (``tno``,
+    an LDG immediate); ``sh`` brings the group's first window down from the 64-bit pair."""
+    RING: tl.constexpr = 256 * K
+    e = tl.arange(0, 32)[:, None, None]
+    w = tl.arange(0, WARPS)[None, :, None]
+    tn = tl.arange(0, TN)[None, None, :]
+    start = ((8 * e + 1) * K + (RING - 16)) % RING  # first window of each group, ring bits
+    word = start // 32
+    row0 = (w * TJS + pid_n * TN) * (8 * K)
+    return w_ptr + row0 + word, w_ptr + row0 + (word + 1) % (8 * K), tn * (8 * K), (48 - start % 32).to(tl.uint64)
+
+
 @triton.jit(do_not_specialize=["M", "per_split"])
 def _mma_kernel(x_ptr, w_ptr, tile_part_ptr, out_ptr, M, TI, TJS, NP, per_split, stride_xp, stride_xm,
                 y_ptr, svh_ptr, bias_ptr, dest_ptr, ncols_ptr, counter_ptr, stride_y,
@@ -162,18 +177,9 @@ def _mma_kernel(x_ptr, w_ptr, tile_part_ptr, out_ptr, M, TI, TJS, NP, per_split,
     pid_n = tl.program_id(0)
     pid_s = tl.program_id(1)
     x_ptr += tl.load(tile_part_ptr + pid_n * TN) * stride_xp
-    RING: tl.constexpr = 256 * K
+    pa, pb, tno, sh = _word_pointers(w_ptr, pid_n, TJS, K, TN, WARPS)
     e = tl.arange(0, 32)[:, None, None]
     w = tl.arange(0, WARPS)[None, :, None]
-    tn = tl.arange(0, TN)[None, None, :]
-    start = ((8 * e + 1) * K + (RING - 16)) % RING  # first window of each group, ring bits
-    word = start // 32
-    # Per lane and warp one pointer; tile column tn is a constant offset (an LDG immediate).
-    row0 = (w * TJS + pid_n * TN) * (8 * K)
-    pa = w_ptr + row0 + word
-    pb = w_ptr + row0 + (word + 1) % (8 * K)
-    tno = tn * (8 * K)
-    sh = (48 - start % 32).to(tl.uint64)
     m = tl.program_id(2) * (16 * MB) + e // 4  # [32, 1, 1]: lane's A row g (and g + 8; + 16 with MB 2)
     xrow = x_ptr + m.to(tl.int64) * stride_xm + e % 4  # word 8 tk + t of row g
     z = tl.zeros((32, WARPS, TN), tl.float32)
