@@ -404,7 +404,7 @@ def fast_partials(f: EXL3Fused, x2: torch.Tensor, cfg: FastConfig, y: torch.Tens
     _check(cfg, m)
     ti, tj, _ = f.trellis.shape
     in_had = cfg.dot and cfg.in_had and not cfg.split
-    mma = cfg.mma and GROUP[f.bits] == 8
+    mma = _mma_applies(f, cfg)
     if cfg.mma and not mma:  # K > 4: the split dot kernel
         cfg = FastConfig(tk=cfg.tk, tn=max(cfg.tn, 2), asm=cfg.asm, split=True)
     bm = 16 * exl3_mma.row_blocks(cfg, m) if mma else min(cfg.block_m, max(16, _pow2(m))) if cfg.dot else 1
@@ -477,12 +477,17 @@ def fast_matmul(f: EXL3Fused, x: torch.Tensor, cfg: FastConfig | None = None,
     if cfg is None and m >= d.reconstruct_min_rows:
         return fast_prefill(f, x2, d.reconstruct_cols, x.dtype).reshape(*x.shape[:-1], f.out_features)
     cfg = cfg or choose_config(m, d)
-    if cfg.mma and GROUP[f.bits] == 8 and _mma_can_fuse(f, cfg, m):
+    if _mma_applies(f, cfg) and _mma_can_fuse(f, cfg, m):
         y = torch.empty(m, f.out_features, dtype=x.dtype, device=x.device)
         fast_partials(f, x2, cfg, y)
         return y.reshape(*x.shape[:-1], f.out_features)
     part = fast_partials(f, x2, cfg)
     return fast_output_transform(f, part, x.dtype).reshape(*x.shape[:-1], f.out_features)
+
+
+def _mma_applies(f: EXL3Fused, cfg: FastConfig) -> bool:
+    """exl3_mma runs where its config asks for it and a group's 8 weights share a word pair."""
+    return cfg.mma and GROUP[f.bits] == 8
 
 
 def _mma_can_fuse(f: EXL3Fused, cfg: FastConfig, m: int) -> bool:
