@@ -10,7 +10,8 @@
 #   d: the engine at 4.0 bpw with the default dispatch and with exl3_mma for 1-32 rows, bf16 beside.
 #   e: c and d in one call (short budgets): mma tests, sweep, the engine with exl3_mma
 #      (fused output transform unless the sweep's checks failed it).
-# Usage: OUT=... scripts/gpu_next.sh a|b|c|d|e
+#   f: exl3_mma with its K loop software-pipelined (prefetch): tests, sweep, engine.
+# Usage: OUT=... scripts/gpu_next.sh a|b|c|d|e|f
 # Carry .whl (../shared/gpu/wheels.sh) and .gpu (../shared/gpu/configs/*.json copied in).
 set -uo pipefail
 out=${OUT:-/tmp/gpu-next}; mkdir -p "$out"
@@ -61,6 +62,23 @@ e)
     echo "engine with mma-8x4-aff$fo"
     timeout 200 python3 scripts/gpu_exl3_check.py --out "$out/mma" --stages engine --budget 190 --engines "exl3 4" \
         --one-row "mma-8x4-aff$fo" --gemv "mma-8x4-aff-bm32$fo" --gemv-max-rows 32 2>&1 | tail -8
+    tail -2 "$out/pytest-mma.txt"
+    ;;
+f)
+    # exl3_mma's software-pipelined K loop (FastConfig.prefetch 1 / 2 steps ahead): its GPU
+    # tests, the layer sweep against the defaults, then the engine with the sweep's picks.
+    timeout 170 python3 -m pytest -q -p no:cacheprovider tests/kernels/test_exl3_kernels.py -k "mma or prefetch" \
+        > "$out/pytest-mma.txt" 2>&1
+    tail -2 "$out/pytest-mma.txt"
+    mkdir -p "$out/sweep" "$out/pf"
+    timeout 230 python3 scripts/gpu_exl3_sweep.py --out "$out/sweep" --budget 215 --combos 4:mul1 --layer-only \
+        --variants row-8x4-asm-aff,mma-8x2-aff-pps8-fo,mma-16x2-aff-fo,mma-8x2-aff-pps8-fo-pf,mma-8x2-aff-pps8-fo-pf2,mma-8x2-aff-pps12-fo-pf2,mma-8x2-aff-fo-pf2,mma-16x2-aff-fo-pf2,mma-8x2-aff-bm32-fo-pf2 \
+        2>&1 | tail -36
+    picks=$(python3 -c "import json; b=json.load(open('$out/sweep/gpu-exl3-sweep.json'))['best_by_rows_k4_mul1']; print(b['1'], b['8'])" 2>/dev/null)
+    set -- $picks
+    echo "engine with one-row ${1:-?} / 2-32 rows ${2:-?}"
+    [ -n "${2:-}" ] && timeout 170 python3 scripts/gpu_exl3_check.py --out "$out/pf" --stages engine --budget 160 \
+        --engines "exl3 4" --one-row "$1" --gemv "$2" --gemv-max-rows 32 2>&1 | tail -8
     tail -2 "$out/pytest-mma.txt"
     ;;
 esac

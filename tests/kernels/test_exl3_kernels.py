@@ -208,6 +208,33 @@ def test_mma_every_codebook_and_rows(bits, codebook, device):
         _check_fast(f, rows, cfg, seed=rows)
 
 
+# prefetch (exl3_mma's software-pipelined K loop; the interpreter has 4 SMs, so programs_per_sm
+# sets the steps a split runs, 24 tile rows here): 1 row affine over 3 steps of two slices; 8
+# rows fused, splits of 2 and 1 steps; 16 rows exact, one slice, 3 splits of 2 steps; 3 rows on
+# an uneven last step with 4 and (8 warps) 2 slices, its last slice all past K; 40 rows, two
+# row blocks sharing each decode (4 slices of 2 warps); two steps ahead (prefetch=2) on 1 row
+# over 3 steps and 3 rows over 2 uneven ones (both prologue loads, the second clamped).
+MMA_PF_ROWS = [
+    (1, FastConfig(tk=8, tn=4, dot=False, mma=True, affine=True, asm=True, programs_per_sm=1, prefetch=True)),
+    (8, FastConfig(tk=8, tn=2, dot=False, mma=True, affine=True, fuse_out=True, prefetch=True)),
+    (16, FastConfig(tk=4, tn=4, dot=False, mma=True, prefetch=True)),
+    (3, FastConfig(tk=16, tn=2, dot=False, mma=True, programs_per_sm=1, prefetch=True)),
+    (3, FastConfig(tk=16, tn=2, warps=8, dot=False, mma=True, affine=True, programs_per_sm=1, prefetch=True)),
+    (40, FastConfig(tk=8, tn=2, warps=2, dot=False, mma=True, affine=True, block_m=32, prefetch=True)),
+    (1, FastConfig(tk=8, tn=4, dot=False, mma=True, affine=True, programs_per_sm=1, prefetch=2)),
+    (3, FastConfig(tk=16, tn=2, dot=False, mma=True, programs_per_sm=1, prefetch=2)),
+]
+
+
+@pytest.mark.parametrize("codebook", CODEBOOKS)
+@pytest.mark.parametrize("bits", [1, 2, 3, 4, 5])
+def test_mma_prefetch_every_codebook_and_rows(bits, codebook, device):
+    w = qt.exl3_weight(384, 256, bits, codebook, device, seed=200 + 10 * bits + CODEBOOKS.index(codebook))
+    f = exl3_fast.fuse([w])
+    for rows, cfg in MMA_PF_ROWS:
+        _check_fast(f, rows, cfg, seed=rows)
+
+
 def test_mma_merged_parts_and_dispatch(device):
     parts = [qt.exl3_weight(200, o, 4, "mul1", device, seed=o, bias=True) for o in (256, 100, 130)]
     f = exl3_fast.fuse(parts)
@@ -226,6 +253,10 @@ def test_mma_merged_parts_and_dispatch(device):
     assert exl3_fast.choose_config(33, d) is d.gemm
     with pytest.raises(ValueError, match="mma"):
         exl3_fast.fast_matmul(f, torch.zeros(1, 200, device=device), FastConfig(tk=4, warps=8, dot=False, mma=True))
+    with pytest.raises(ValueError, match="prefetch"):
+        exl3_fast.fast_matmul(f, torch.zeros(1, 200, device=device), FastConfig(tk=4, dot=False, prefetch=True))
+    with pytest.raises(ValueError, match="prefetch"):
+        exl3_fast.fast_matmul(f, torch.zeros(1, 200, device=device), FastConfig(tk=4, dot=False, mma=True, prefetch=3))
 
 
 def test_fast_merged_parts_unpadded_bias_dtypes(device):

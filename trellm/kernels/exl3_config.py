@@ -36,6 +36,11 @@ class FastConfig:
     fuse_out: bool = False
     """With mma: the last program of each 128-column block runs the output transform (no
     output-transform launch)."""
+    prefetch: int = 0
+    """With mma: the next K step's weight words and x A-fragments are loaded before the
+    current step is decoded (software-pipelined K loop, carried through it per slice).
+    True or 1: one step ahead; 2: two steps ahead (ptxas sinks the loads to the loop's end,
+    so only 2 keeps a whole step between load and use; more registers); 0 / False: off."""
     programs_per_sm: int = 4
     block_m: int = 16
     """Rows per program for the dot (16..64; M above it takes several row blocks)."""

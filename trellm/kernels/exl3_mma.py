@@ -167,13 +167,15 @@ def _mma_kernel(x_ptr, w_ptr, tile_part_ptr, out_ptr, M, TI, TJS, NP, per_split,
                 y_ptr, svh_ptr, bias_ptr, dest_ptr, ncols_ptr, counter_ptr, stride_y,
                 K: tl.constexpr, CB: tl.constexpr, TK: tl.constexpr, TN: tl.constexpr, WARPS: tl.constexpr,
                 ROWS16: tl.constexpr, MB: tl.constexpr, EVEN_K: tl.constexpr, ASM: tl.constexpr,
-                AFF: tl.constexpr, PTX: tl.constexpr, FUSE: tl.constexpr, HAS_BIAS: tl.constexpr):
+                AFF: tl.constexpr, PTX: tl.constexpr, FUSE: tl.constexpr, HAS_BIAS: tl.constexpr,
+                PF: tl.constexpr):
     """out[split, m, block] = xh[m, the split's K rows] @ Wq[those rows, block] (float32) for
     16 MB rows m per program (MB 1 or 2 row blocks sharing each decode; ``ROWS16`` False:
     only the first 8 can be live). x: the part's transformed x as int32 words (fp16
     pairs); strides in words. Grid: (column blocks of 16 TN, splits, row blocks of 16 MB).
     ``FUSE``: the last program to finish a 128-column block also runs the output transform
-    for it (``_arrive_and_finish``) into y, so no output-transform launch follows."""
+    for it (``_arrive_and_finish``) into y, so no output-transform launch follows. ``PF`` > 0:
+    the K loop software-pipelined, loading PF steps ahead (``_pf_loop``)."""
     pid_n = tl.program_id(0)
     pid_s = tl.program_id(1)
     x_ptr += tl.load(tile_part_ptr + pid_n * TN) * stride_xp
@@ -193,34 +195,40 @@ def _mma_kernel(x_ptr, w_ptr, tile_part_ptr, out_ptr, M, TI, TJS, NP, per_split,
     zero = tl.zeros((32, WARPS, 1), tl.uint32)
     ones = zero + ONES
     lo = pid_s * per_split
-    for step in range(lo, tl.minimum(lo + per_split, tl.cdiv(TI, TK))):
-        for i in tl.static_range(TK // WARPS):
-            tr = step * TK + i * WARPS  # first tile row of this slice
-            so = tr.to(tl.int64) * TJS * (8 * K)
-            tk = tr + w  # [1, WARPS, 1]
-            if EVEN_K:
-                a = tl.load((pa + so) + tno)
-                b = tl.load((pb + so) + tno)
-                xm0 = m < M
-            else:
-                a = tl.load((pa + so) + tno, mask=tk < TI, other=0)
-                b = tl.load((pb + so) + tno, mask=tk < TI, other=0)
-                xm0 = (m < M) & (tk < TI)
-            p = (a.to(tl.uint32, bitcast=True).to(tl.uint64) << 32) | b.to(tl.uint32, bitcast=True).to(tl.uint64)
-            a0, a1, a2, a3 = _a_frags(xrow + 8 * tk, xm0, m, M, stride_xm, ROWS16, zero)
-            b01, b23, b45, b67 = _b_regs(p, sh, K, CB, ASM, AFF)
-            acc0, acc1, acc2, acc3 = _mma(a0, a1, a2, a3, b01, b23, acc0, acc1, acc2, acc3, PTX, WARPS, TN)
-            acc4, acc5, acc6, acc7 = _mma(a0, a1, a2, a3, b45, b67, acc4, acc5, acc6, acc7, PTX, WARPS, TN)
-            if AFF:  # without ROWS16, rows g + 8 stay zero: a1 = a3 = 0 (carried, not re-zeroed)
-                xs0, xs1, xs2, xs3 = _mma(a0, a1, a2, a3, ones, ones, xs0, xs1, xs2, xs3, PTX, WARPS, 1)
-            if MB == 2:  # rows 16-31: the same B registers
-                a0, a1, a2, a3 = _a_frags(xrow + 16 * stride_xm + 8 * tk, xm0 & (m + 16 < M), m + 16, M,
-                                          stride_xm, True, zero)
-                acc8, acc9, acc10, acc11 = _mma(a0, a1, a2, a3, b01, b23, acc8, acc9, acc10, acc11, PTX, WARPS, TN)
-                acc12, acc13, acc14, acc15 = _mma(a0, a1, a2, a3, b45, b67, acc12, acc13, acc14, acc15, PTX,
-                                                  WARPS, TN)
-                if AFF:
-                    xs4, xs5, xs6, xs7 = _mma(a0, a1, a2, a3, ones, ones, xs4, xs5, xs6, xs7, PTX, WARPS, 1)
+    if PF:  # step + PF's loads issued before this step's decode
+        acc, xs = _pf_loop(pa, pb, tno, sh, xrow, m, M, w, TI, TJS, stride_xm, lo, per_split, zero, ones,
+                           K, CB, TK, TN, WARPS, ROWS16, MB, EVEN_K, ASM, AFF, PTX, PF)
+        acc0, acc1, acc2, acc3, acc4, acc5, acc6, acc7, acc8, acc9, acc10, acc11, acc12, acc13, acc14, acc15 = acc
+        xs0, xs1, xs2, xs3, xs4, xs5, xs6, xs7 = xs
+    else:
+        for step in range(lo, tl.minimum(lo + per_split, tl.cdiv(TI, TK))):
+            for i in tl.static_range(TK // WARPS):
+                tr = step * TK + i * WARPS  # first tile row of this slice
+                so = tr.to(tl.int64) * TJS * (8 * K)
+                tk = tr + w  # [1, WARPS, 1]
+                if EVEN_K:
+                    a = tl.load((pa + so) + tno)
+                    b = tl.load((pb + so) + tno)
+                    xm0 = m < M
+                else:
+                    a = tl.load((pa + so) + tno, mask=tk < TI, other=0)
+                    b = tl.load((pb + so) + tno, mask=tk < TI, other=0)
+                    xm0 = (m < M) & (tk < TI)
+                p = (a.to(tl.uint32, bitcast=True).to(tl.uint64) << 32) | b.to(tl.uint32, bitcast=True).to(tl.uint64)
+                a0, a1, a2, a3 = _a_frags(xrow + 8 * tk, xm0, m, M, stride_xm, ROWS16, zero)
+                b01, b23, b45, b67 = _b_regs(p, sh, K, CB, ASM, AFF)
+                acc0, acc1, acc2, acc3 = _mma(a0, a1, a2, a3, b01, b23, acc0, acc1, acc2, acc3, PTX, WARPS, TN)
+                acc4, acc5, acc6, acc7 = _mma(a0, a1, a2, a3, b45, b67, acc4, acc5, acc6, acc7, PTX, WARPS, TN)
+                if AFF:  # without ROWS16, rows g + 8 stay zero: a1 = a3 = 0 (carried, not re-zeroed)
+                    xs0, xs1, xs2, xs3 = _mma(a0, a1, a2, a3, ones, ones, xs0, xs1, xs2, xs3, PTX, WARPS, 1)
+                if MB == 2:  # rows 16-31: the same B registers
+                    a0, a1, a2, a3 = _a_frags(xrow + 16 * stride_xm + 8 * tk, xm0 & (m + 16 < M), m + 16, M,
+                                              stride_xm, True, zero)
+                    acc8, acc9, acc10, acc11 = _mma(a0, a1, a2, a3, b01, b23, acc8, acc9, acc10, acc11, PTX, WARPS, TN)
+                    acc12, acc13, acc14, acc15 = _mma(a0, a1, a2, a3, b45, b67, acc12, acc13, acc14, acc15, PTX,
+                                                      WARPS, TN)
+                    if AFF:
+                        xs4, xs5, xs6, xs7 = _mma(a0, a1, a2, a3, ones, ones, xs4, xs5, xs6, xs7, PTX, WARPS, 1)
     _store(out_ptr, acc0, acc1, acc2, acc3, acc4, acc5, acc6, acc7, xs0, xs2, m, M, NP, pid_n, pid_s,
            TN, ROWS16, AFF)
     if MB == 2:
@@ -232,6 +240,94 @@ def _mma_kernel(x_ptr, w_ptr, tile_part_ptr, out_ptr, M, TI, TJS, NP, per_split,
                            counter_ptr + tl.program_id(2) * (NP // 128) + blk, tl.program_id(2) * (16 * MB),
                            blk, M, NP, stride_y, tl.num_programs(1) * (128 // (16 * TN)), tl.num_programs(1),
                            16 * MB if ROWS16 else 8, HAS_BIAS)
+
+
+@triton.jit
+def _pf_loop(pa, pb, tno, sh, xrow, m, M, w, TI, TJS, stride_xm, lo, per_split, zero, ones, K: tl.constexpr,
+             CB: tl.constexpr, TK: tl.constexpr, TN: tl.constexpr, WARPS: tl.constexpr, ROWS16: tl.constexpr,
+             MB: tl.constexpr, EVEN_K: tl.constexpr, ASM: tl.constexpr, AFF: tl.constexpr, PTX: tl.constexpr,
+             PF: tl.constexpr):
+    """_mma_kernel's K loop, software-pipelined: the word pairs and A fragments of step + PF
+    (PF 1 or 2 steps ahead) are loaded (``_pf_step``) before step's are decoded and mma'd
+    (``_pf_mma``), carried through the loop as a tuple of PF steps of one tuple per slice
+    (any TK // WARPS). Past the split's last step the prefetch is clamped to it (a redundant
+    load, never out of bounds). ptxas (sm_90) sinks the loads below the step's mmas, to the
+    loop's end: with PF 1 they land just before their use, with PF 2 a step ahead of it.
+    Returns (the 16 C tensors, the 8 x sums)."""
+    hi = tl.minimum(lo + per_split, tl.cdiv(TI, TK))
+    z = tl.zeros((32, WARPS, TN), tl.float32)
+    zs = tl.zeros((32, WARPS, 1), tl.float32)
+    acc = (z, z, z, z, z, z, z, z, z, z, z, z, z, z, z, z)
+    xs = (zs, zs, zs, zs, zs, zs, zs, zs)
+    pipe = ()
+    for d in tl.static_range(PF):
+        pipe = pipe + (_pf_step(pa, pb, tno, xrow, m, M, w, TI, TJS, stride_xm, tl.minimum(lo + d, hi - 1), zero,
+                                K, TK, WARPS, ROWS16, MB, EVEN_K),)
+    for step in range(lo, hi):
+        new = _pf_step(pa, pb, tno, xrow, m, M, w, TI, TJS, stride_xm, tl.minimum(step + PF, hi - 1), zero,
+                       K, TK, WARPS, ROWS16, MB, EVEN_K)
+        for i in tl.static_range(TK // WARPS):
+            acc, xs = _pf_mma(pipe[0][i], acc, xs, sh, ones, K, CB, TN, WARPS, MB, ASM, AFF, PTX)
+        pipe = pipe[1:] + (new,)
+    return acc, xs
+
+
+@triton.jit
+def _pf_step(pa, pb, tno, xrow, m, M, w, TI, TJS, stride_xm, step, zero, K: tl.constexpr, TK: tl.constexpr,
+             WARPS: tl.constexpr, ROWS16: tl.constexpr, MB: tl.constexpr, EVEN_K: tl.constexpr):
+    """Every slice's loads of K step ``step`` (``_pf_load``), one tuple per slice."""
+    ld = ()
+    for i in tl.static_range(TK // WARPS):
+        ld = ld + (_pf_load(pa, pb, tno, xrow, m, M, w, TI, TJS, stride_xm, step, i, zero,
+                            K, TK, WARPS, ROWS16, MB, EVEN_K),)
+    return ld
+
+
+@triton.jit
+def _pf_load(pa, pb, tno, xrow, m, M, w, TI, TJS, stride_xm, step, i: tl.constexpr, zero, K: tl.constexpr,
+             TK: tl.constexpr, WARPS: tl.constexpr, ROWS16: tl.constexpr, MB: tl.constexpr, EVEN_K: tl.constexpr):
+    """Slice i of K step ``step``: its word pair and A fragments (MB 2: and rows 16-31's, else
+    zero), the loads and masks of _mma_kernel's loop body."""
+    tr = step * TK + i * WARPS  # first tile row of this slice
+    so = tr.to(tl.int64) * TJS * (8 * K)
+    tk = tr + w  # [1, WARPS, 1]
+    if EVEN_K:
+        a = tl.load((pa + so) + tno)
+        b = tl.load((pb + so) + tno)
+        xm0 = m < M
+    else:
+        a = tl.load((pa + so) + tno, mask=tk < TI, other=0)
+        b = tl.load((pb + so) + tno, mask=tk < TI, other=0)
+        xm0 = (m < M) & (tk < TI)
+    a0, a1, a2, a3 = _a_frags(xrow + 8 * tk, xm0, m, M, stride_xm, ROWS16, zero)
+    c0, c1, c2, c3 = zero, zero, zero, zero
+    if MB == 2:  # rows 16-31
+        c0, c1, c2, c3 = _a_frags(xrow + 16 * stride_xm + 8 * tk, xm0 & (m + 16 < M), m + 16, M, stride_xm,
+                                  True, zero)
+    return a, b, a0, a1, a2, a3, c0, c1, c2, c3
+
+
+@triton.jit
+def _pf_mma(ld, acc, xs, sh, ones, K: tl.constexpr, CB: tl.constexpr, TN: tl.constexpr, WARPS: tl.constexpr,
+            MB: tl.constexpr, ASM: tl.constexpr, AFF: tl.constexpr, PTX: tl.constexpr):
+    """One slice's decode and mmas on its loads ``ld`` (``_pf_load``): the rest of _mma_kernel's
+    loop body. acc: its acc0..acc15, xs: its xs0..xs7; returns both updated."""
+    a, b, a0, a1, a2, a3, c0, c1, c2, c3 = ld
+    p = (a.to(tl.uint32, bitcast=True).to(tl.uint64) << 32) | b.to(tl.uint32, bitcast=True).to(tl.uint64)
+    b01, b23, b45, b67 = _b_regs(p, sh, K, CB, ASM, AFF)
+    d0, d1, d2, d3 = _mma(a0, a1, a2, a3, b01, b23, acc[0], acc[1], acc[2], acc[3], PTX, WARPS, TN)
+    d4, d5, d6, d7 = _mma(a0, a1, a2, a3, b45, b67, acc[4], acc[5], acc[6], acc[7], PTX, WARPS, TN)
+    s0, s1, s2, s3, s4, s5, s6, s7 = xs
+    if AFF:  # without ROWS16, a1 = a3 = 0
+        s0, s1, s2, s3 = _mma(a0, a1, a2, a3, ones, ones, s0, s1, s2, s3, PTX, WARPS, 1)
+    d8, d9, d10, d11 = acc[8], acc[9], acc[10], acc[11]
+    d12, d13, d14, d15 = acc[12], acc[13], acc[14], acc[15]
+    if MB == 2:  # rows 16-31: the same B registers
+        d8, d9, d10, d11 = _mma(c0, c1, c2, c3, b01, b23, d8, d9, d10, d11, PTX, WARPS, TN)
+        d12, d13, d14, d15 = _mma(c0, c1, c2, c3, b45, b67, d12, d13, d14, d15, PTX, WARPS, TN)
+        if AFF:
+            s4, s5, s6, s7 = _mma(c0, c1, c2, c3, ones, ones, s4, s5, s6, s7, PTX, WARPS, 1)
+    return (d0, d1, d2, d3, d4, d5, d6, d7, d8, d9, d10, d11, d12, d13, d14, d15), (s0, s1, s2, s3, s4, s5, s6, s7)
 
 
 @triton.jit
@@ -337,7 +433,7 @@ def mma_partials(f, x: torch.Tensor, m: int, cfg, splits: int, per: int, stride_
         f.counters if fused else f.tile_part, y.stride(0) if fused else 0,
         K=f.bits, CB=CODEBOOK_IDS[f.codebook], TK=cfg.tk, TN=cfg.tn, WARPS=cfg.warps, ROWS16=m > 8, MB=mb,
         EVEN_K=ti % cfg.tk == 0, ASM=asm, AFF=cfg.affine and f.codebook == "mul1", PTX=not interp,
-        FUSE=fused, HAS_BIAS=f.bias is not None, num_warps=cfg.warps, num_stages=cfg.stages)
+        FUSE=fused, HAS_BIAS=f.bias is not None, PF=int(cfg.prefetch), num_warps=cfg.warps, num_stages=cfg.stages)
 
 
 def row_blocks(cfg, m: int) -> int:
