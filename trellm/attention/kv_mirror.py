@@ -48,11 +48,12 @@ class DecodeKVMirror:
         """Layer-steps that appended / regathered (tests and profiles read them)."""
 
     def kv(self, kv_cache: torch.Tensor, step: int, request_ids: tuple[str, ...], lens: tuple[int, ...],
-           k_new: torch.Tensor, v_new: torch.Tensor, gather) -> torch.Tensor | None:
+           k_new: torch.Tensor, v_new: torch.Tensor, gather, new: torch.Tensor | None = None) -> torch.Tensor | None:
         """[2, B, Hk, L, D] K/V of the decode group (L = max(lens)), the new rows
         (k_new/v_new [B, Hk, D], this step's token of each sequence) included, or None
         when the mirror would exceed its budget (the caller gathers). ``gather(L)``
-        returns the group's K/V from the pool as [2, B, >= L, Hk, D]."""
+        returns the group's K/V from the pool as [2, B, >= L, Hk, D]; ``new``: k_new and
+        v_new already stacked in the pool's dtype (torch_paged.write_kv's), or None."""
         b, length = len(request_ids), max(lens)
         key = kv_cache.data_ptr()
         m = self.layers.get(key)
@@ -61,7 +62,8 @@ class DecodeKVMirror:
             if self._rows is None or self._rows[:2] != (step, cap):
                 self._rows = (step, cap, torch.tensor([i * cap + n - 1 for i, n in enumerate(lens)]))
             rows = self._rows[2]
-            new = torch.stack((k_new, v_new)).to(m.buf.dtype)
+            if new is None or new.dtype != m.buf.dtype:
+                new = torch.stack((k_new, v_new)).to(m.buf.dtype)
             m.buf.view(2, b * cap, *m.buf.shape[3:]).index_copy_(1, rows, new)
             self.appends += 1
         else:

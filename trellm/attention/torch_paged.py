@@ -85,7 +85,9 @@ class TorchPagedAttention:
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                 kv_cache: torch.Tensor, meta: AttentionMetadata, scale: float) -> torch.Tensor:
         """q: [T, Hq, D]; k, v: [T, Hk, D]; returns [T, Hq, D]."""
-        write_kv(kv_cache, k, v, meta.slot_mapping)
+        kv = write_kv(kv_cache, k, v, meta.slot_mapping)
+        if meta.decode is not None and not meta.prefills:  # decode-only: the rows are the group's, in order
+            return _decode(q, kv_cache, meta.decode, scale, k, v, kv)
         return _attend(q, k, v, kv_cache, meta, scale)
 
     def attend(self, q: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata,
@@ -112,19 +114,27 @@ def _attend(q: torch.Tensor, k: torch.Tensor | None, v: torch.Tensor | None, kv_
     return out
 
 
-def write_kv(kv_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slots: torch.Tensor) -> None:
+def write_kv(kv_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
+    """Writes the step's K/V rows into the pool; returns them as [2, T, Hk, D] in its dtype."""
     _, nb, bs, hk, d = kv_cache.shape
     # K and V in one index_copy_ (the pool's K and V halves are one tensor): half the
     # dispatches of two copies, which is what a decode step's write costs on the CPU.
-    kv = torch.stack((k.to(kv_cache.dtype), v.to(kv_cache.dtype)))
+    # stack promotes to the wider dtype exactly, so one cast after it rounds each value
+    # as a cast of k and v apiece would (and none is dispatched when the dtypes agree).
+    kv = torch.stack((k, v))
+    if kv.dtype != kv_cache.dtype:
+        kv = kv.to(kv_cache.dtype)
     kv_cache.view(2, nb * bs, hk, d).index_copy_(1, slots, kv)
+    return kv
 
 
 def _decode(q: torch.Tensor, kv_cache: torch.Tensor, d: DecodeGroup, scale: float,
-            k_new: torch.Tensor | None = None, v_new: torch.Tensor | None = None) -> torch.Tensor:
+            k_new: torch.Tensor | None = None, v_new: torch.Tensor | None = None,
+            new_kv: torch.Tensor | None = None) -> torch.Tensor:
+    """``new_kv``: k_new / v_new as write_kv returned them (saves the mirror a stack)."""
     if d.contiguous_start is None and d.mirror is not None and k_new is not None:
         kv = d.mirror.kv(kv_cache, d.step, d.request_ids, d.lens, k_new, v_new,
-                         lambda length: _gather(kv_cache, d.block_table, length, d))
+                         lambda length: _gather(kv_cache, d.block_table, length, d), new_kv)
         if kv is not None:
             return _sdpa_decode(q, kv[0], kv[1], d.attn_mask, scale)
     if d.contiguous_start is None:
@@ -192,9 +202,11 @@ def _sdpa_decode(q: torch.Tensor, keys: torch.Tensor, vals: torch.Tensor, mask: 
     # The G = Hq / Hk query heads of a KV head (consecutive, as enable_gqa pairs them) go
     # in as G query rows of that head: one token's rows attend independently, so this is
     # the same attention, without SDPA expanding K/V to Hq heads (2x faster on the CPU).
-    out = F.scaled_dot_product_attention(
-        q.reshape(b, hk, hq // hk, d).to(cdt), keys.to(cdt), vals.to(cdt), attn_mask=mask, scale=scale)
-    return out.reshape(b, hq, d).to(q.dtype)
+    qg = q.reshape(b, hk, hq // hk, d)
+    if q.dtype != cdt or keys.dtype != cdt:  # skip three no-op casts' dispatch (CPU float32)
+        qg, keys, vals = qg.to(cdt), keys.to(cdt), vals.to(cdt)
+    out = F.scaled_dot_product_attention(qg, keys, vals, attn_mask=mask, scale=scale).reshape(b, hq, d)
+    return out if out.dtype == q.dtype else out.to(q.dtype)
 
 
 def prefill_reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor,

@@ -16,6 +16,8 @@ from trellm.layers.linear import check_float
 def rms_norm_reference(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """transformers' LlamaRMSNorm arithmetic: normalize in float32, cast back, then scale."""
     dtype = x.dtype
+    if dtype == torch.float32:  # the casts are no-ops: skip their dispatch (CPU decode)
+        return weight * (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps))
     xf = x.float()
     xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
     return weight * xf.to(dtype)
@@ -120,14 +122,18 @@ class RotaryEmbedding(torch.nn.Module):
         rot[:, (k + d // 2) % d, k] = sin
         return rot
 
+    @staticmethod
+    def rotate_rows(qk: torch.Tensor, rotation: torch.Tensor) -> torch.Tensor:
+        """[T, H, D] heads (q's then k's) rotated by this step's ``rotation``, float32."""
+        return torch.bmm(qk.float(), rotation)
+
     def forward(self, q: torch.Tensor, k: torch.Tensor, cos_sin: tuple[torch.Tensor, torch.Tensor],
                 rotation: torch.Tensor | None = None):
         """q: [T, Hq, D], k: [T, Hk, D]; returns rotated (q, k) (dtype: promoted with the tables').
         ``rotation``: this step's ``rotation(positions)``, used instead of the tables."""
         hq = q.shape[1]
         if rotation is not None:
-            qk = torch.cat((q, k), dim=1).float()
-            qk = torch.bmm(qk, rotation)
+            qk = self.rotate_rows(torch.cat((q, k), dim=1), rotation)
             return qk[:, :hq], qk[:, hq:]
         cos, signed_sin = cos_sin
         # Rotate q and k together: one set of elementwise ops instead of two.

@@ -47,7 +47,16 @@ class Attention(torch.nn.Module):
 
     def forward(self, x: torch.Tensor, positions: torch.Tensor, ctx) -> torch.Tensor:
         t = x.shape[0]
-        q, k, v = self.qkv_proj.split(self.qkv_proj(x))
+        qkv = self.qkv_proj(x)
+        if ctx.ops is None and self.q_norm is None and ctx.rope_rotation is not None:
+            # CPU decode: q and k are adjacent columns, so they rotate as one view (no
+            # split, no cat); the values are those of the general path below.
+            hq, hk, d = self.num_heads, self.num_kv_heads, self.head_dim
+            qk = self.rope.rotate_rows(qkv[:, :(hq + hk) * d].view(t, hq + hk, d), ctx.rope_rotation)
+            v = qkv[:, (hq + hk) * d:].view(t, hk, d)
+            out = ctx.backend.forward(qk[:, :hq], qk[:, hq:], v, ctx.kv_caches[self.layer_idx], ctx.meta, self.scale)
+            return self.o_proj(out.reshape(t, -1))
+        q, k, v = self.qkv_proj.split(qkv)
         q = q.view(t, self.num_heads, self.head_dim)
         k = k.view(t, self.num_kv_heads, self.head_dim)
         v = v.view(t, self.num_kv_heads, self.head_dim)
