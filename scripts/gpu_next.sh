@@ -11,7 +11,8 @@
 #   e: c and d in one call (short budgets): mma tests, sweep, the engine with exl3_mma
 #      (fused output transform unless the sweep's checks failed it).
 #   f: exl3_mma with its K loop software-pipelined (prefetch): tests, sweep, engine.
-# Usage: OUT=... scripts/gpu_next.sh a|b|c|d|e|f
+#   g: programmatic dependent launch on / off: kernel tests, bf16 (issue 4) and EXL3 engine figures.
+# Usage: OUT=... scripts/gpu_next.sh a|b|c|d|e|f|g
 # Carry .whl (../shared/gpu/wheels.sh) and .gpu (../shared/gpu/configs/*.json copied in).
 set -uo pipefail
 out=${OUT:-/tmp/gpu-next}; mkdir -p "$out"
@@ -80,5 +81,21 @@ f)
     [ -n "${2:-}" ] && timeout 170 python3 scripts/gpu_exl3_check.py --out "$out/pf" --stages engine --budget 160 \
         --engines "exl3 4" --one-row "$1" --gemv "$2" --gemv-max-rows 32 2>&1 | tail -8
     tail -2 "$out/pytest-mma.txt"
+    ;;
+g)
+    # Programmatic dependent launch (kernels/_triton.py): the GPU kernel tests with it on, then
+    # issue 4's bf16 figures (gpu_bench.py: checks, Qwen3-0.6B and Llama-3.1-8B speed) and the
+    # EXL3 4.0 bpw engine, each with PDL on and off (TRELLM_PDL=0) on the same machine.
+    timeout 110 python3 -m pytest -q -p no:cacheprovider tests/kernels -x -k "not exl3" > "$out/pytest-pdl.txt" 2>&1
+    tail -2 "$out/pytest-pdl.txt"
+    mkdir -p "$out/pdl" "$out/nopdl" "$out/exl3-pdl" "$out/exl3-nopdl"
+    TRELLM_PDL=1 timeout 150 python3 scripts/gpu_bench.py --configs .gpu --stages correctness,small,big --out "$out/pdl" \
+        2>&1 | tail -6
+    TRELLM_PDL=0 timeout 100 python3 scripts/gpu_bench.py --configs .gpu --stages small,big --out "$out/nopdl" 2>&1 | tail -4
+    TRELLM_PDL=1 timeout 80 python3 scripts/gpu_exl3_check.py --out "$out/exl3-pdl" --stages engine --budget 75 \
+        --engines "exl3 4" 2>&1 | tail -3
+    TRELLM_PDL=0 timeout 80 python3 scripts/gpu_exl3_check.py --out "$out/exl3-nopdl" --stages engine --budget 75 \
+        --engines "exl3 4" 2>&1 | tail -3
+    tail -2 "$out/pytest-pdl.txt"
     ;;
 esac

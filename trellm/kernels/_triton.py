@@ -36,4 +36,48 @@ except ImportError:  # CPU-only installs: PyTorch's CPU wheels do not bring Trit
     triton = _Missing()  # type: ignore[assignment]
     tl = _Missing()  # type: ignore[assignment]
 
-__all__ = ["HAS_TRITON", "triton", "tl"]
+__all__ = ["HAS_TRITON", "triton", "tl", "pdl_begin", "pdl_enabled", "pdl_kwargs"]
+
+
+# ---- programmatic dependent launch (sm_90+) -------------------------------------------------
+# A decode step is hundreds of small kernels in one CUDA graph; between two of them the GPU
+# drains one grid, then launches and ramps up the next. With PDL a kernel launched with
+# ``launch_pdl`` may start while its predecessor's last CTAs run: it waits (``gdc_wait``,
+# the first thing it does, so it reads and writes nothing before the predecessor's writes
+# are complete and visible) and at once lets its own successor launch. Only the launch and
+# ramp-up overlap; the data dependencies are those of serial launches.
+
+_PDL: dict[str, bool] = {}
+
+
+def pdl_enabled() -> bool:
+    """With TRELLM_PDL=1, on a CUDA device of compute capability 9.0 or more, with Triton,
+    not in Triton's interpreter. Opt-in until measured on the GPU (scripts/gpu_next.sh g)."""
+    if "on" not in _PDL:
+        import os
+
+        ok = HAS_TRITON and os.environ.get("TRELLM_PDL", "0") == "1" and os.environ.get("TRITON_INTERPRET") != "1"
+        if ok:
+            import torch
+
+            ok = torch.cuda.is_available() and torch.cuda.get_device_capability()[0] >= 9
+        _PDL["on"] = ok
+    return _PDL["on"]
+
+
+def pdl_kwargs() -> dict:
+    """Launch keywords for a kernel with a ``PDL`` constexpr that calls ``pdl_begin(PDL)``."""
+    return {"PDL": True, "launch_pdl": True} if pdl_enabled() else {}
+
+
+if HAS_TRITON:
+    @triton.jit
+    def pdl_begin(PDL: tl.constexpr):
+        """A kernel's first statement: with PDL, wait for the predecessor grid's completion
+        (and memory), then allow the successor's launch."""
+        if PDL:
+            tl.extra.cuda.gdc_wait()
+            tl.extra.cuda.gdc_launch_dependents()
+else:
+    def pdl_begin(PDL):  # the stand-in: kernels never run without Triton
+        raise RuntimeError("triton is not installed")

@@ -11,13 +11,14 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from trellm.kernels._triton import tl, triton
+from trellm.kernels._triton import tl, triton, pdl_begin, pdl_kwargs
 
 _BLOCK = 1024
 
 
 @triton.jit
-def _silu_and_mul_kernel(x_ptr, out_ptr, stride_x, stride_o, n_cols, BLOCK: tl.constexpr):
+def _silu_and_mul_kernel(x_ptr, out_ptr, stride_x, stride_o, n_cols, BLOCK: tl.constexpr, PDL: tl.constexpr = False):
+    pdl_begin(PDL)
     row = tl.program_id(0).to(tl.int64)
     offs = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     mask = offs < n_cols
@@ -38,7 +39,7 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
     if x2.shape[0] and n:
         block = min(_BLOCK, triton.next_power_of_2(n))
         _silu_and_mul_kernel[(x2.shape[0], triton.cdiv(n, block))](
-            x2, out2, x2.stride(0), out2.stride(0), n, BLOCK=block, num_warps=4)
+            x2, out2, x2.stride(0), out2.stride(0), n, BLOCK=block, num_warps=4, **pdl_kwargs())
     return out
 
 

@@ -33,7 +33,7 @@ import math
 
 import torch
 
-from trellm.kernels._triton import tl, triton
+from trellm.kernels._triton import tl, triton, pdl_begin, pdl_kwargs
 from trellm.quant.exl3.hadamard import HAD_SIZE, had_r_128
 from trellm.quant.exl3.reference import decode_inner
 from trellm.quant.exl3.weight import EXL3Weight
@@ -322,8 +322,9 @@ def exl3_output_transform_ref(w: EXL3Weight, partials: torch.Tensor, dtype: torc
 # ---- the same for all parts of a merged layer at once (exl3_fast.EXL3Fused) ---------------------
 
 @triton.jit(do_not_specialize=["M", "n_in"])
-def _in_kernel(x_ptr, suh_ptr, out_ptr, M, n_in, in_p, stride_x, BM: tl.constexpr):
+def _in_kernel(x_ptr, suh_ptr, out_ptr, M, n_in, in_p, stride_x, BM: tl.constexpr, PDL: tl.constexpr = False):
     """out[part, m, :] = had_r_128(pad(x[m]) * suh[part]). Grid: (row blocks, in_p / 128, parts)."""
+    pdl_begin(PDL)
     part = tl.program_id(2)
     rows = tl.program_id(0) * BM + tl.arange(0, BM)
     cols = tl.program_id(1) * 128 + tl.arange(0, 128)
@@ -337,9 +338,10 @@ def _in_kernel(x_ptr, suh_ptr, out_ptr, M, n_in, in_p, stride_x, BM: tl.constexp
 
 @triton.jit(do_not_specialize=["M", "splits"])
 def _out_kernel(p_ptr, svh_ptr, bias_ptr, dest_ptr, ncols_ptr, out_ptr, M, NP, splits, stride_o,
-                BM: tl.constexpr, HAS_BIAS: tl.constexpr):
+                BM: tl.constexpr, HAS_BIAS: tl.constexpr, PDL: tl.constexpr = False):
     """Sum the splits, Hadamard, * svh, + bias, and write 128-column block b's first
     ncols[b] columns at output column dest[b]. Grid: (row blocks, NP / 128)."""
+    pdl_begin(PDL)
     rows = tl.program_id(0) * BM + tl.arange(0, BM)
     blk = tl.program_id(1)
     j = tl.arange(0, 128)

@@ -50,7 +50,7 @@ from dataclasses import dataclass
 
 import torch
 
-from trellm.kernels._triton import tl, triton
+from trellm.kernels._triton import tl, triton, pdl_begin, pdl_kwargs
 from trellm.kernels.exl3_config import FastConfig, FastDispatch  # re-exported: callers import them from here
 from trellm.kernels.exl3_decode import CODEBOOK_IDS, _in_kernel, _inst_value, _out_kernel, kernel_bits
 from trellm.kernels.paged_attention import _num_sms
@@ -231,9 +231,10 @@ def _fast_kernel(x_ptr, suh_ptr, had_ptr, w_ptr, tile_part_ptr, out_ptr, M, TI, 
                  stride_xp, stride_xm, stride_sp,
                  K: tl.constexpr, CB: tl.constexpr, G: tl.constexpr, TK: tl.constexpr, TN: tl.constexpr,
                  BM: tl.constexpr, DOT: tl.constexpr, IN_HAD: tl.constexpr, EVEN_K: tl.constexpr,
-                 ASM: tl.constexpr):
+                 ASM: tl.constexpr, PDL: tl.constexpr = False):
     """out[split, m, block] = xh[m, the split's K rows] @ Wq[those rows, block] (float32).
     Grid: (column blocks of 16 TN, splits, row blocks of BM)."""
+    pdl_begin(PDL)
     pid_n = tl.program_id(0)
     pid_s = tl.program_id(1)
     BK: tl.constexpr = TK * 16
@@ -274,10 +275,11 @@ def _fast_kernel(x_ptr, suh_ptr, had_ptr, w_ptr, tile_part_ptr, out_ptr, M, TI, 
 @triton.jit(do_not_specialize=["M", "per_split"])
 def _split_kernel(x_ptr, w_ptr, tile_part_ptr, out_ptr, M, TI, TJS, NP, per_split, stride_xp, stride_xm,
                   K: tl.constexpr, CB: tl.constexpr, G: tl.constexpr, TK: tl.constexpr, TN: tl.constexpr,
-                  BM: tl.constexpr, DOT: tl.constexpr, EVEN_K: tl.constexpr, ASM: tl.constexpr):
+                  BM: tl.constexpr, DOT: tl.constexpr, EVEN_K: tl.constexpr, ASM: tl.constexpr, PDL: tl.constexpr = False):
     """_fast_kernel without reordering the decoded values (``split=True``): weight J of every
     group meets the x rows it belongs to (a gathered load of the transformed x), G dots (or
     FMAs) per step into two accumulators, for the columns with cc3 = 0 and 1 when G = 8."""
+    pdl_begin(PDL)
     pid_n = tl.program_id(0)
     pid_s = tl.program_id(1)
     RG: tl.constexpr = 8 if G == 2 else 4
@@ -392,7 +394,7 @@ def fast_input_transform(f: EXL3Fused, x2: torch.Tensor, dtype: torch.dtype) -> 
     m = x2.shape[0]
     out = torch.empty(len(f.parts), m, f.padded_in, dtype=dtype, device=x2.device)
     grid = (triton.cdiv(m, 16), f.padded_in // HAD_SIZE, len(f.parts))
-    _in_kernel[grid](x2, f.suh, out, m, f.in_features, f.padded_in, x2.stride(0), BM=16, num_warps=8)
+    _in_kernel[grid](x2, f.suh, out, m, f.in_features, f.padded_in, x2.stride(0), BM=16, num_warps=8, **pdl_kwargs())
     return out
 
 
@@ -430,7 +432,7 @@ def fast_partials(f: EXL3Fused, x2: torch.Tensor, cfg: FastConfig, y: torch.Tens
             x, f.trellis.view(torch.int32), f.tile_part, out, ti, _tile_stride(f.trellis), f.padded_out, per,
             stride_xp, K=f.bits, CB=CODEBOOK_IDS[f.codebook], TK=cfg.tk, TN=cfg.tn, EVEN_K=ti % cfg.tk == 0,
             ASM=_use_asm(cfg.asm, f.codebook), AFF=cfg.affine and f.codebook == "mul1", num_warps=cfg.warps,
-            num_stages=cfg.stages)
+            num_stages=cfg.stages, **pdl_kwargs())
         return out
     consts = dict(K=f.bits, CB=CODEBOOK_IDS[f.codebook], G=GROUP[f.bits], TK=cfg.tk, TN=cfg.tn, BM=bm, DOT=cfg.dot,
                   EVEN_K=ti % cfg.tk == 0, ASM=_use_asm(cfg.asm, f.codebook), num_warps=cfg.warps,
@@ -438,11 +440,11 @@ def fast_partials(f: EXL3Fused, x2: torch.Tensor, cfg: FastConfig, y: torch.Tens
     if cfg.split or cfg.row:  # row where G != 8: the split kernel, as FastConfig.row says
         _split_kernel[(blocks_n, splits, blocks_m)](
             x, f.trellis.view(torch.int32), f.tile_part, out, m, ti, _tile_stride(f.trellis), f.padded_out, per,
-            stride_xp, stride_xm, **consts)
+            stride_xp, stride_xm, **consts, **pdl_kwargs())
         return out
     _fast_kernel[(blocks_n, splits, blocks_m)](
         x, f.suh, f.had, f.trellis.view(torch.int32), f.tile_part, out, m, ti, _tile_stride(f.trellis),
-        f.padded_out, f.in_features, per, stride_xp, stride_xm, f.suh.stride(0), IN_HAD=in_had, **consts)
+        f.padded_out, f.in_features, per, stride_xp, stride_xm, f.suh.stride(0), IN_HAD=in_had, **consts, **pdl_kwargs())
     return out
 
 
@@ -453,7 +455,7 @@ def fast_output_transform(f: EXL3Fused, partials: torch.Tensor, dtype: torch.dty
     bias = f.bias if f.bias is not None else f.svh
     _out_kernel[(triton.cdiv(m, 16), n_p // HAD_SIZE)](
         partials, f.svh, bias, f.dest, f.ncols, out, m, n_p, splits, out.stride(0), BM=16,
-        HAS_BIAS=f.bias is not None, num_warps=8)
+        HAS_BIAS=f.bias is not None, num_warps=8, **pdl_kwargs())
     return out
 
 

@@ -41,7 +41,7 @@ import os
 
 import torch
 
-from trellm.kernels._triton import tl, triton
+from trellm.kernels._triton import tl, triton, pdl_begin, pdl_kwargs
 from trellm.kernels.exl3_decode import CODEBOOK_IDS
 from trellm.kernels.exl3_fast import _byte_sum, _weight
 
@@ -168,7 +168,7 @@ def _mma_kernel(x_ptr, w_ptr, tile_part_ptr, out_ptr, M, TI, TJS, NP, per_split,
                 K: tl.constexpr, CB: tl.constexpr, TK: tl.constexpr, TN: tl.constexpr, WARPS: tl.constexpr,
                 ROWS16: tl.constexpr, MB: tl.constexpr, EVEN_K: tl.constexpr, ASM: tl.constexpr,
                 AFF: tl.constexpr, PTX: tl.constexpr, FUSE: tl.constexpr, HAS_BIAS: tl.constexpr,
-                PF: tl.constexpr):
+                PF: tl.constexpr, PDL: tl.constexpr = False):
     """out[split, m, block] = xh[m, the split's K rows] @ Wq[those rows, block] (float32) for
     16 MB rows m per program (MB 1 or 2 row blocks sharing each decode; ``ROWS16`` False:
     only the first 8 can be live). x: the part's transformed x as int32 words (fp16
@@ -176,6 +176,7 @@ def _mma_kernel(x_ptr, w_ptr, tile_part_ptr, out_ptr, M, TI, TJS, NP, per_split,
     ``FUSE``: the last program to finish a 128-column block also runs the output transform
     for it (``_arrive_and_finish``) into y, so no output-transform launch follows. ``PF`` > 0:
     the K loop software-pipelined, loading PF steps ahead (``_pf_loop``)."""
+    pdl_begin(PDL)
     pid_n = tl.program_id(0)
     pid_s = tl.program_id(1)
     x_ptr += tl.load(tile_part_ptr + pid_n * TN) * stride_xp
@@ -433,7 +434,8 @@ def mma_partials(f, x: torch.Tensor, m: int, cfg, splits: int, per: int, stride_
         f.counters if fused else f.tile_part, y.stride(0) if fused else 0,
         K=f.bits, CB=CODEBOOK_IDS[f.codebook], TK=cfg.tk, TN=cfg.tn, WARPS=cfg.warps, ROWS16=m > 8, MB=mb,
         EVEN_K=ti % cfg.tk == 0, ASM=asm, AFF=cfg.affine and f.codebook == "mul1", PTX=not interp,
-        FUSE=fused, HAS_BIAS=f.bias is not None, PF=int(cfg.prefetch), num_warps=cfg.warps, num_stages=cfg.stages)
+        FUSE=fused, HAS_BIAS=f.bias is not None, PF=int(cfg.prefetch), num_warps=cfg.warps, num_stages=cfg.stages,
+        **pdl_kwargs())
 
 
 def row_blocks(cfg, m: int) -> int:

@@ -33,7 +33,7 @@ tests: within fp16's tolerance, like the dot variants).
 """
 from __future__ import annotations
 
-from trellm.kernels._triton import tl, triton
+from trellm.kernels._triton import tl, triton, pdl_begin, pdl_kwargs
 from trellm.kernels.exl3_fast import _byte_sum, _weight
 
 K_INV = 0.00676727294921875  # fp16 0x1EEE
@@ -52,9 +52,10 @@ def _affine_v(p, sh, J: tl.constexpr, K: tl.constexpr, ASM: tl.constexpr):
 @triton.jit(do_not_specialize=["per_split"])
 def _row_kernel(x_ptr, w_ptr, tile_part_ptr, out_ptr, TI, TJS, NP, per_split, stride_xp,
                 K: tl.constexpr, CB: tl.constexpr, TK: tl.constexpr, TN: tl.constexpr,
-                EVEN_K: tl.constexpr, ASM: tl.constexpr, AFF: tl.constexpr):
+                EVEN_K: tl.constexpr, ASM: tl.constexpr, AFF: tl.constexpr, PDL: tl.constexpr = False):
     """out[split, 0, block] = xh[the split's K rows] @ Wq[those rows, block] (float32), one row.
     Grid: (column blocks of 16 TN, splits). x: the part's transformed x, float32."""
+    pdl_begin(PDL)
     pid_n = tl.program_id(0)
     pid_s = tl.program_id(1)
     x_ptr += tl.load(tile_part_ptr + pid_n * TN) * stride_xp

@@ -43,7 +43,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn.functional as F
 
-from trellm.kernels._triton import tl, triton
+from trellm.kernels._triton import tl, triton, pdl_begin, pdl_kwargs
 from trellm.kernels.paged_attention import _num_sms
 
 log = logging.getLogger("trellm")
@@ -227,8 +227,9 @@ def _fma_kernel(x_ptr, q_ptr, scale_ptr, bias_ptr, out_ptr, part_ptr, lock_ptr, 
 
 @triton.jit(do_not_specialize=["M", "splits"])
 def _reduce_kernel(part_ptr, scale_ptr, bias_ptr, out_ptr, M, N, splits, stride_o,
-                   BN: tl.constexpr, HAS_BIAS: tl.constexpr):
+                   BN: tl.constexpr, HAS_BIAS: tl.constexpr, PDL: tl.constexpr = False):
     """Fallback for launches with more output tiles than counters: sum the splits in order."""
+    pdl_begin(PDL)
     row = tl.program_id(0)
     n = tl.program_id(1) * BN + tl.arange(0, BN)
     nmask = n < N
@@ -308,7 +309,7 @@ def int8_linear_triton(x2: torch.Tensor, q: torch.Tensor, scale: torch.Tensor, b
         PRECISION=_precision(x2.dtype), SWAP=cfg.swap, num_warps=cfg.warps, num_stages=cfg.stages)
     if split and not sem:
         _reduce_kernel[(m, triton.cdiv(n, 256))](part, scale, bias_arg, out, m, n, splits, out.stride(0),
-                                                BN=256, HAS_BIAS=bias is not None, num_warps=4)
+                                                BN=256, HAS_BIAS=bias is not None, num_warps=4, **pdl_kwargs())
     return out
 
 

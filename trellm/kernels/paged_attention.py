@@ -33,7 +33,7 @@ import math
 
 import torch
 
-from trellm.kernels._triton import tl, triton
+from trellm.kernels._triton import tl, triton, pdl_begin, pdl_kwargs
 
 _LOG2E = 1.4426950408889634
 _MIN_TOKENS_PER_SPLIT = 256
@@ -67,8 +67,9 @@ def _decode_split_kernel(
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
     PAGE: tl.constexpr, BLOCK_N: tl.constexpr,
     DIRECT: tl.constexpr, FUSED: tl.constexpr, BLOCK_S: tl.constexpr,
-    BLOCK_H: tl.constexpr, CHUNK: tl.constexpr, PRECISION: tl.constexpr,
+    BLOCK_H: tl.constexpr, CHUNK: tl.constexpr, PRECISION: tl.constexpr, PDL: tl.constexpr = False,
 ):
+    pdl_begin(PDL)
     b = tl.program_id(0)
     kvh = tl.program_id(1)
     split = tl.program_id(2)
@@ -189,8 +190,9 @@ def _decode_reduce_kernel(
     stride_lb, stride_lh,
     stride_ot, stride_oh,
     num_splits,
-    BLOCK_S: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
+    BLOCK_S: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, PDL: tl.constexpr = False,
 ):
+    pdl_begin(PDL)
     b = tl.program_id(0)
     h = tl.program_id(1)
     row = tl.load(token_index_ptr + b).to(tl.int64)
@@ -304,7 +306,7 @@ def paged_decode(q: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.Ten
         PAGE=page, BLOCK_N=block_n, DIRECT=direct, FUSED=fused,
         BLOCK_S=block_s, BLOCK_H=block_h, CHUNK=max(2, min(block_s, _COMBINE_TILE // (block_h * block_d))),
         PRECISION=_dot_precision(q.dtype),
-        num_warps=_DECODE_WARPS, num_stages=_DECODE_STAGES,
+        num_warps=_DECODE_WARPS, num_stages=_DECODE_STAGES, **pdl_kwargs(),
     )
     if not direct and not fused:
         _decode_reduce_kernel[(bsz, q.shape[1])](
@@ -312,7 +314,7 @@ def paged_decode(q: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.Ten
             *p_strides, *l_strides,
             out.stride(0), out.stride(1),
             num_splits,
-            BLOCK_S=block_s, HEAD_DIM=d, BLOCK_D=block_d, num_warps=4,
+            BLOCK_S=block_s, HEAD_DIM=d, BLOCK_D=block_d, num_warps=4, **pdl_kwargs(),
         )
     return out
 

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import torch
 
-from trellm.kernels._triton import tl, triton
+from trellm.kernels._triton import tl, triton, pdl_begin, pdl_kwargs
 from trellm.layers.norm_rope import rms_norm_reference
 
 
@@ -18,8 +18,9 @@ def _rms_norm_kernel(
     x_ptr, res_ptr, w_ptr, out_ptr, res_out_ptr,
     stride_x, stride_r, stride_o, stride_ro,
     n_cols, eps,
-    BLOCK: tl.constexpr, HAS_RESIDUAL: tl.constexpr,
+    BLOCK: tl.constexpr, HAS_RESIDUAL: tl.constexpr, PDL: tl.constexpr = False,
 ):
+    pdl_begin(PDL)
     row = tl.program_id(0).to(tl.int64)
     offs = tl.arange(0, BLOCK)
     mask = offs < n_cols
@@ -67,7 +68,7 @@ def _launch(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor
         x2.stride(0), r2.stride(0), out2.stride(0), ro2.stride(0),
         n, eps,
         BLOCK=block, HAS_RESIDUAL=residual is not None,
-        num_warps=min(max(block // 512, 1), 16),
+        num_warps=min(max(block // 512, 1), 16), **pdl_kwargs(),
     )
     return out, res_out
 

@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import torch
 
-from trellm.kernels._triton import tl, triton
+from trellm.kernels._triton import tl, triton, pdl_begin, pdl_kwargs
 
 
 @triton.jit
@@ -34,8 +34,9 @@ def _rope_kv_kernel(
     NUM_Q_HEADS: tl.constexpr, NUM_KV_HEADS: tl.constexpr,
     HALF: tl.constexpr, BLOCK_HALF: tl.constexpr,
     BLOCK_HQ: tl.constexpr, BLOCK_HK: tl.constexpr, PAGE: tl.constexpr,
-    HAS_ROPE: tl.constexpr, HAS_POS: tl.constexpr, HAS_QK_NORM: tl.constexpr,
+    HAS_ROPE: tl.constexpr, HAS_POS: tl.constexpr, HAS_QK_NORM: tl.constexpr, PDL: tl.constexpr = False,
 ):
+    pdl_begin(PDL)
     t = tl.program_id(0).to(tl.int64)
     offs = tl.arange(0, BLOCK_HALF)
     d_mask = offs < HALF
@@ -132,7 +133,7 @@ def _launch(q: torch.Tensor | None, k: torch.Tensor, v: torch.Tensor, cos: torch
         BLOCK_HALF=triton.next_power_of_2(half),
         BLOCK_HQ=triton.next_power_of_2(q.shape[1]), BLOCK_HK=triton.next_power_of_2(hk),
         PAGE=kv_cache.shape[2], HAS_ROPE=has_rope, HAS_POS=positions is not None,
-        HAS_QK_NORM=has_norm, num_warps=4,
+        HAS_QK_NORM=has_norm, num_warps=4, **pdl_kwargs(),
     )
     return q_out if has_rope else None
 
