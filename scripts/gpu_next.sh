@@ -11,8 +11,9 @@
 #   e: c and d in one call (short budgets): mma tests, sweep, the engine with exl3_mma
 #      (fused output transform unless the sweep's checks failed it).
 #   f: exl3_mma with its K loop software-pipelined (prefetch): tests, sweep, engine.
-#   g: programmatic dependent launch on / off: kernel tests, bf16 (issue 4) and EXL3 engine figures.
-# Usage: OUT=... scripts/gpu_next.sh a|b|c|d|e|f|g
+#   g: programmatic dependent launch on / off: kernel tests, bf16 figures (issue 4);
+#   h: the same for EXL3: layer sweep and engine at 4.0 bpw.
+# Usage: OUT=... scripts/gpu_next.sh a|b|c|d|e|f|g|h
 # Carry .whl (../shared/gpu/wheels.sh) and .gpu (../shared/gpu/configs/*.json copied in).
 set -uo pipefail
 out=${OUT:-/tmp/gpu-next}; mkdir -p "$out"
@@ -83,19 +84,28 @@ f)
     tail -2 "$out/pytest-mma.txt"
     ;;
 g)
-    # Programmatic dependent launch (kernels/_triton.py): the GPU kernel tests with it on, then
-    # issue 4's bf16 figures (gpu_bench.py: checks, Qwen3-0.6B and Llama-3.1-8B speed) and the
-    # EXL3 4.0 bpw engine, each with PDL on and off (TRELLM_PDL=0) on the same machine.
-    timeout 110 python3 -m pytest -q -p no:cacheprovider tests/kernels -x -k "not exl3" > "$out/pytest-pdl.txt" 2>&1
+    # Programmatic dependent launch (kernels/_triton.py, TRELLM_PDL=1): the GPU kernel tests
+    # with it on, then issue 4's bf16 figures (gpu_bench.py: checks, Qwen3-0.6B and
+    # Llama-3.1-8B speed) with it on and off on the same machine.
+    TRELLM_PDL=1 timeout 100 python3 -m pytest -q -p no:cacheprovider tests/kernels -x -k "not exl3" \
+        > "$out/pytest-pdl.txt" 2>&1
     tail -2 "$out/pytest-pdl.txt"
-    mkdir -p "$out/pdl" "$out/nopdl" "$out/exl3-pdl" "$out/exl3-nopdl"
-    TRELLM_PDL=1 timeout 150 python3 scripts/gpu_bench.py --configs .gpu --stages correctness,small,big --out "$out/pdl" \
+    mkdir -p "$out/pdl" "$out/nopdl"
+    TRELLM_PDL=1 timeout 170 python3 scripts/gpu_bench.py --configs .gpu --stages correctness,small,big --out "$out/pdl" \
         2>&1 | tail -6
-    TRELLM_PDL=0 timeout 100 python3 scripts/gpu_bench.py --configs .gpu --stages small,big --out "$out/nopdl" 2>&1 | tail -4
-    TRELLM_PDL=1 timeout 80 python3 scripts/gpu_exl3_check.py --out "$out/exl3-pdl" --stages engine --budget 75 \
-        --engines "exl3 4" 2>&1 | tail -3
-    TRELLM_PDL=0 timeout 80 python3 scripts/gpu_exl3_check.py --out "$out/exl3-nopdl" --stages engine --budget 75 \
-        --engines "exl3 4" 2>&1 | tail -3
+    TRELLM_PDL=0 timeout 120 python3 scripts/gpu_bench.py --configs .gpu --stages small,big --out "$out/nopdl" 2>&1 | tail -4
     tail -2 "$out/pytest-pdl.txt"
+    ;;
+h)
+    # The EXL3 side of g: the layer sweep (its checks, then CUDA-graph timings) and the 4.0 bpw
+    # engine, each with PDL on and off.
+    mkdir -p "$out/sweep-pdl" "$out/sweep-nopdl" "$out/exl3-pdl" "$out/exl3-nopdl"
+    for v in 1 0; do
+        tag=$([ $v = 1 ] && echo pdl || echo nopdl)
+        TRELLM_PDL=$v timeout 120 python3 scripts/gpu_exl3_sweep.py --out "$out/sweep-$tag" --budget 110 \
+            --combos 4:mul1 --layer-only --variants row-8x4-asm-aff,mma-8x2-aff-pps8-fo 2>&1 | grep -E "checks|best at"
+        TRELLM_PDL=$v timeout 90 python3 scripts/gpu_exl3_check.py --out "$out/exl3-$tag" --stages engine --budget 80 \
+            --engines "exl3 4" 2>&1 | tail -2
+    done
     ;;
 esac

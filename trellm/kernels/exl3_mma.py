@@ -185,51 +185,17 @@ def _mma_kernel(x_ptr, w_ptr, tile_part_ptr, out_ptr, M, TI, TJS, NP, per_split,
     w = tl.arange(0, WARPS)[None, :, None]
     m = tl.program_id(2) * (16 * MB) + e // 4  # [32, 1, 1]: lane's A row g (and g + 8; + 16 with MB 2)
     xrow = x_ptr + m.to(tl.int64) * stride_xm + e % 4  # word 8 tk + t of row g
-    z = tl.zeros((32, WARPS, TN), tl.float32)
-    acc0, acc1, acc2, acc3 = z, z, z, z  # columns 0-7: rows g (0, 1), g + 8 (2, 3)
-    acc4, acc5, acc6, acc7 = z, z, z, z  # columns 8-15
-    acc8, acc9, acc10, acc11 = z, z, z, z  # MB 2: the second row block's
-    acc12, acc13, acc14, acc15 = z, z, z, z
-    zs = tl.zeros((32, WARPS, 1), tl.float32)
-    xs0, xs1, xs2, xs3 = zs, zs, zs, zs  # AFF: sums of x over the split's rows (g: 0, g + 8: 2)
-    xs4, xs5, xs6, xs7 = zs, zs, zs, zs
     zero = tl.zeros((32, WARPS, 1), tl.uint32)
     ones = zero + ONES
     lo = pid_s * per_split
     if PF:  # step + PF's loads issued before this step's decode
         acc, xs = _pf_loop(pa, pb, tno, sh, xrow, m, M, w, TI, TJS, stride_xm, lo, per_split, zero, ones,
                            K, CB, TK, TN, WARPS, ROWS16, MB, EVEN_K, ASM, AFF, PTX, PF)
-        acc0, acc1, acc2, acc3, acc4, acc5, acc6, acc7, acc8, acc9, acc10, acc11, acc12, acc13, acc14, acc15 = acc
-        xs0, xs1, xs2, xs3, xs4, xs5, xs6, xs7 = xs
     else:
-        for step in range(lo, tl.minimum(lo + per_split, tl.cdiv(TI, TK))):
-            for i in tl.static_range(TK // WARPS):
-                tr = step * TK + i * WARPS  # first tile row of this slice
-                so = tr.to(tl.int64) * TJS * (8 * K)
-                tk = tr + w  # [1, WARPS, 1]
-                if EVEN_K:
-                    a = tl.load((pa + so) + tno)
-                    b = tl.load((pb + so) + tno)
-                    xm0 = m < M
-                else:
-                    a = tl.load((pa + so) + tno, mask=tk < TI, other=0)
-                    b = tl.load((pb + so) + tno, mask=tk < TI, other=0)
-                    xm0 = (m < M) & (tk < TI)
-                p = (a.to(tl.uint32, bitcast=True).to(tl.uint64) << 32) | b.to(tl.uint32, bitcast=True).to(tl.uint64)
-                a0, a1, a2, a3 = _a_frags(xrow + 8 * tk, xm0, m, M, stride_xm, ROWS16, zero)
-                b01, b23, b45, b67 = _b_regs(p, sh, K, CB, ASM, AFF)
-                acc0, acc1, acc2, acc3 = _mma(a0, a1, a2, a3, b01, b23, acc0, acc1, acc2, acc3, PTX, WARPS, TN)
-                acc4, acc5, acc6, acc7 = _mma(a0, a1, a2, a3, b45, b67, acc4, acc5, acc6, acc7, PTX, WARPS, TN)
-                if AFF:  # without ROWS16, rows g + 8 stay zero: a1 = a3 = 0 (carried, not re-zeroed)
-                    xs0, xs1, xs2, xs3 = _mma(a0, a1, a2, a3, ones, ones, xs0, xs1, xs2, xs3, PTX, WARPS, 1)
-                if MB == 2:  # rows 16-31: the same B registers
-                    a0, a1, a2, a3 = _a_frags(xrow + 16 * stride_xm + 8 * tk, xm0 & (m + 16 < M), m + 16, M,
-                                              stride_xm, True, zero)
-                    acc8, acc9, acc10, acc11 = _mma(a0, a1, a2, a3, b01, b23, acc8, acc9, acc10, acc11, PTX, WARPS, TN)
-                    acc12, acc13, acc14, acc15 = _mma(a0, a1, a2, a3, b45, b67, acc12, acc13, acc14, acc15, PTX,
-                                                      WARPS, TN)
-                    if AFF:
-                        xs4, xs5, xs6, xs7 = _mma(a0, a1, a2, a3, ones, ones, xs4, xs5, xs6, xs7, PTX, WARPS, 1)
+        acc, xs = _k_loop(pa, pb, tno, sh, xrow, m, M, w, TI, TJS, stride_xm, lo, per_split, zero, ones,
+                          K, CB, TK, TN, WARPS, ROWS16, MB, EVEN_K, ASM, AFF, PTX)
+    acc0, acc1, acc2, acc3, acc4, acc5, acc6, acc7, acc8, acc9, acc10, acc11, acc12, acc13, acc14, acc15 = acc
+    xs0, xs1, xs2, xs3, xs4, xs5, xs6, xs7 = xs
     _store(out_ptr, acc0, acc1, acc2, acc3, acc4, acc5, acc6, acc7, xs0, xs2, m, M, NP, pid_n, pid_s,
            TN, ROWS16, AFF)
     if MB == 2:
@@ -241,6 +207,26 @@ def _mma_kernel(x_ptr, w_ptr, tile_part_ptr, out_ptr, M, TI, TJS, NP, per_split,
                            counter_ptr + tl.program_id(2) * (NP // 128) + blk, tl.program_id(2) * (16 * MB),
                            blk, M, NP, stride_y, tl.num_programs(1) * (128 // (16 * TN)), tl.num_programs(1),
                            16 * MB if ROWS16 else 8, HAS_BIAS)
+
+
+@triton.jit
+def _k_loop(pa, pb, tno, sh, xrow, m, M, w, TI, TJS, stride_xm, lo, per_split, zero, ones, K: tl.constexpr,
+            CB: tl.constexpr, TK: tl.constexpr, TN: tl.constexpr, WARPS: tl.constexpr, ROWS16: tl.constexpr,
+            MB: tl.constexpr, EVEN_K: tl.constexpr, ASM: tl.constexpr, AFF: tl.constexpr, PTX: tl.constexpr):
+    """_mma_kernel's K loop: per K step and slice of WARPS tile rows, its loads (``_pf_load``),
+    then its decode and mmas (``_pf_mma``). Returns (the 16 C tensors: columns 0-7 rows g
+    (0, 1) and g + 8 (2, 3), columns 8-15 (4-7), MB 2's second row block (8-15); the 8 x
+    sums of AFF: rows g (0), g + 8 (2), MB 2's (4, 6))."""
+    z = tl.zeros((32, WARPS, TN), tl.float32)
+    zs = tl.zeros((32, WARPS, 1), tl.float32)
+    acc = (z, z, z, z, z, z, z, z, z, z, z, z, z, z, z, z)
+    xs = (zs, zs, zs, zs, zs, zs, zs, zs)
+    for step in range(lo, tl.minimum(lo + per_split, tl.cdiv(TI, TK))):
+        for i in tl.static_range(TK // WARPS):
+            ld = _pf_load(pa, pb, tno, xrow, m, M, w, TI, TJS, stride_xm, step, i, zero, K, TK, WARPS, ROWS16, MB,
+                          EVEN_K)
+            acc, xs = _pf_mma(ld, acc, xs, sh, ones, K, CB, TN, WARPS, MB, ASM, AFF, PTX)
+    return acc, xs
 
 
 @triton.jit
