@@ -115,3 +115,30 @@ def test_mlp_takes_the_fused_gemv_where_picked(device):
     mlp.down_proj.method.gemv_dispatch = GemvDispatch(use_glu={(32, 48, 2): True})
     torch.testing.assert_close(mlp(x, ops), want, atol=1e-5, rtol=1e-5)
     assert ops.calls == 1  # only the unfused call above
+
+
+@pytest.mark.parametrize("glu", [False, True])
+@pytest.mark.parametrize("rows,n,k", [(1, 37, 200), (3, 64, 4096), (8, 129, 96), (2, 16, 32)])
+def test_gemv_pdl_mode_equals_plain(rows, n, k, glu, device, monkeypatch):
+    """The PDL mode reads the weight a block ahead (its first block before the wait): the
+    same products in the same order, so the same bits. The wait itself is PTX; in the
+    interpreter it is stubbed out (on the GPU it runs: launch_pdl only with TRELLM_PDL=1)."""
+    from trellm import envs
+    from trellm.kernels import gemv as g
+    from trellm.kernels._triton import tl, triton
+
+    if envs.triton_interpret():
+        monkeypatch.setattr(tl.extra.cuda, "gdc_wait", lambda *a, **kw: None)
+        monkeypatch.setattr(tl.extra.cuda, "gdc_launch_dependents", lambda *a, **kw: None)
+    gen = torch.Generator().manual_seed(rows * n + k)
+    x = torch.randn(rows, 2 * k if glu else k, generator=gen).to(device)
+    w = torch.randn(n, k, generator=gen).to(device)
+    bm, bn, bk = g._blocks(rows, n)
+    outs = []
+    for pdl in (False, True):
+        y = torch.empty(rows, n, device=device)
+        g._gemv_kernel[(triton.cdiv(n, bn),)](x, w, w, y, rows, n, k, x.stride(0), w.stride(0), y.stride(0),
+                                               BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, HAS_BIAS=False, GLU=glu, PDL=pdl)
+        outs.append(y)
+    assert torch.equal(outs[0], outs[1])
+    assert torch.allclose(outs[1], gemv_ref(x, w, glu=glu), rtol=1e-4, atol=1e-3)

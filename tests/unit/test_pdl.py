@@ -26,6 +26,10 @@ DECODE_KERNELS = [
 ]
 
 
+READ_BEFORE_WAIT = {"_gemv_kernel"}
+"""Kernels that load their (read-only) weight before the wait."""
+
+
 @pytest.fixture
 def fresh_pdl(monkeypatch):
     monkeypatch.setattr(_triton, "_PDL", {})
@@ -64,4 +68,9 @@ def test_decode_kernels_take_the_switch(module, name):
     stmts = fn.body
     if isinstance(stmts[0], ast.Expr) and isinstance(stmts[0].value, ast.Constant):
         stmts = stmts[1:]  # the docstring
+    if name in READ_BEFORE_WAIT:  # reads only the weight before the wait
+        wait = next(i for i, st in enumerate(stmts) if ast.unparse(st) == "pdl_begin(PDL)")
+        before = "\n".join(ast.unparse(st) for st in stmts[:wait])
+        assert "x_ptr" not in before and "y_ptr" not in before and "w_ptr" in before
+        stmts = stmts[wait:]
     assert ast.unparse(stmts[0]) == "pdl_begin(PDL)", f"{name}: its first statement is not the PDL wait"

@@ -40,7 +40,6 @@ MAX_ROWS = 8
 def _gemv_kernel(x_ptr, w_ptr, b_ptr, y_ptr, M, N, K, stride_xm, stride_wn, stride_ym,
                  BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                  HAS_BIAS: tl.constexpr, GLU: tl.constexpr, PDL: tl.constexpr = False):
-    pdl_begin(PDL)
     pid = tl.program_id(0)
     offs_n = pid * BLOCK_N + tl.arange(0, BLOCK_N)
     offs_m = tl.arange(0, BLOCK_M)
@@ -48,10 +47,21 @@ def _gemv_kernel(x_ptr, w_ptr, b_ptr, y_ptr, M, N, K, stride_xm, stride_wn, stri
     m_mask = offs_m < M
     acc = tl.zeros((BLOCK_M, BLOCK_N, BLOCK_K), dtype=tl.float32)
     w_rows = w_ptr + offs_n.to(tl.int64)[:, None] * stride_wn
+    if PDL:
+        # The weight is never written during a forward: its first block is read before the
+        # wait for the previous kernel, and each next block one step ahead of its use.
+        w_next = tl.load(w_rows + tl.arange(0, BLOCK_K)[None, :],
+                         mask=n_mask[:, None] & (tl.arange(0, BLOCK_K) < K)[None, :], other=0.0)
+    pdl_begin(PDL)
     for k0 in range(0, K, BLOCK_K):
         offs_k = k0 + tl.arange(0, BLOCK_K)
         k_mask = offs_k < K
-        w = tl.load(w_rows + offs_k[None, :], mask=n_mask[:, None] & k_mask[None, :], other=0.0)
+        if PDL:
+            w = w_next
+            w_next = tl.load(w_rows + (offs_k + BLOCK_K)[None, :],
+                             mask=n_mask[:, None] & (offs_k + BLOCK_K < K)[None, :], other=0.0)
+        else:
+            w = tl.load(w_rows + offs_k[None, :], mask=n_mask[:, None] & k_mask[None, :], other=0.0)
         x_mask = m_mask[:, None] & k_mask[None, :]
         x_ptrs = x_ptr + offs_m[:, None] * stride_xm + offs_k[None, :]
         if GLU:
