@@ -12,8 +12,9 @@
 #      (fused output transform unless the sweep's checks failed it).
 #   f: exl3_mma with its K loop software-pipelined (prefetch): tests, sweep, engine.
 #   g: programmatic dependent launch on / off: kernel tests, bf16 figures (issue 4);
-#   h: the same for EXL3: layer sweep and engine at 4.0 bpw.
-# Usage: OUT=... scripts/gpu_next.sh a|b|c|d|e|f|g|h
+#   h: the same for EXL3: layer sweep and engine at 4.0 bpw;
+#   i: g and h in one call.
+# Usage: OUT=... scripts/gpu_next.sh a|b|c|d|e|f|g|h|i
 # Carry .whl (../shared/gpu/wheels.sh) and .gpu (../shared/gpu/configs/*.json copied in).
 set -uo pipefail
 out=${OUT:-/tmp/gpu-next}; mkdir -p "$out"
@@ -107,5 +108,20 @@ h)
         TRELLM_PDL=$v timeout 90 python3 scripts/gpu_exl3_check.py --out "$out/exl3-$tag" --stages engine --budget 80 \
             --engines "exl3 4" 2>&1 | tail -2
     done
+    ;;
+i)
+    # g and h in one call (when a machine is scarce): bf16 checks and figures with PDL on and
+    # off, the EXL3 engine on and off, then the EXL3 layer sweep (checks + timings) with PDL on.
+    mkdir -p "$out/pdl" "$out/nopdl" "$out/exl3-pdl" "$out/exl3-nopdl" "$out/sweep-pdl"
+    TRELLM_PDL=1 timeout 150 python3 scripts/gpu_bench.py --configs .gpu --stages correctness,small,big --out "$out/pdl" \
+        2>&1 | tail -5
+    TRELLM_PDL=0 timeout 100 python3 scripts/gpu_bench.py --configs .gpu --stages small,big --out "$out/nopdl" 2>&1 | tail -3
+    for v in 1 0; do
+        tag=$([ $v = 1 ] && echo pdl || echo nopdl)
+        TRELLM_PDL=$v timeout 70 python3 scripts/gpu_exl3_check.py --out "$out/exl3-$tag" --stages engine --budget 65 \
+            --engines "exl3 4" 2>&1 | tail -2
+    done
+    TRELLM_PDL=1 timeout 120 python3 scripts/gpu_exl3_sweep.py --out "$out/sweep-pdl" --budget 110 \
+        --combos 4:mul1 --layer-only --variants row-8x4-asm-aff,mma-8x2-aff-pps8-fo 2>&1 | grep -E "checks|best at"
     ;;
 esac
