@@ -170,8 +170,14 @@ class ModelRunner:
         prompt_lps: dict[str, tuple[TokenLogprobs | None, ...]] = {}
         if batch.samplers:
             rows = self._sampling_rows(batch)
-            idx = device_tensor([r for _, r in batch.samplers], logits.device)
-            tokens, lps = self.sampler(logits[idx], rows)
+            picked = [r for _, r in batch.samplers]
+            if not batch.prompt_spans and picked == list(range(logits.shape[0])):
+                # Every row, in order (a decode step): no gather copy. The sampler may edit
+                # its rows in place; without prompt spans nothing reads logits after it.
+                rows_logits = logits
+            else:
+                rows_logits = logits[device_tensor(picked, logits.device)]
+            tokens, lps = self.sampler(rows_logits, rows)
             for (st, _), tok, lp in zip(batch.samplers, tokens, lps):
                 st.output_token_ids.append(tok)
                 sampled[st.request_id] = (tok,)
