@@ -13,8 +13,8 @@
 #   f: exl3_mma with its K loop software-pipelined (prefetch): tests, sweep, engine.
 #   g: programmatic dependent launch on / off: kernel tests, bf16 figures (issue 4);
 #   h: the same for EXL3: layer sweep and engine at 4.0 bpw;
-#   i: g and h in one call.
-# Usage: OUT=... scripts/gpu_next.sh a|b|c|d|e|f|g|h|i
+#   i: g and h in one call; j: i without the sweep.
+# Usage: OUT=... scripts/gpu_next.sh a|b|c|d|e|f|g|h|i|j
 # Carry .whl (../shared/gpu/wheels.sh) and .gpu (../shared/gpu/configs/*.json copied in).
 set -uo pipefail
 out=${OUT:-/tmp/gpu-next}; mkdir -p "$out"
@@ -123,5 +123,17 @@ i)
     done
     TRELLM_PDL=1 timeout 120 python3 scripts/gpu_exl3_sweep.py --out "$out/sweep-pdl" --budget 110 \
         --combos 4:mul1 --layer-only --variants row-8x4-asm-aff,mma-8x2-aff-pps8-fo 2>&1 | grep -E "checks|best at"
+    ;;
+j)
+    # i without the sweep, shorter limits (a session's last device minutes).
+    mkdir -p "$out/pdl" "$out/nopdl" "$out/exl3-pdl" "$out/exl3-nopdl"
+    TRELLM_PDL=1 timeout 130 python3 scripts/gpu_bench.py --configs .gpu --stages correctness,small,big --out "$out/pdl" \
+        2>&1 | tail -5
+    TRELLM_PDL=0 timeout 90 python3 scripts/gpu_bench.py --configs .gpu --stages small,big --out "$out/nopdl" 2>&1 | tail -3
+    for v in 1 0; do
+        tag=$([ $v = 1 ] && echo pdl || echo nopdl)
+        TRELLM_PDL=$v timeout 60 python3 scripts/gpu_exl3_check.py --out "$out/exl3-$tag" --stages engine --budget 55 \
+            --engines "exl3 4" 2>&1 | tail -2
+    done
     ;;
 esac
