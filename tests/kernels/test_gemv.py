@@ -118,7 +118,7 @@ def test_mlp_takes_the_fused_gemv_where_picked(device):
 
 
 @pytest.mark.parametrize("glu", [False, True])
-@pytest.mark.parametrize("rows,n,k", [(1, 37, 200), (3, 64, 4096), (8, 129, 96), (2, 16, 32)])
+@pytest.mark.parametrize("rows,n,k", [(1, 37, 200), (3, 64, 4096), (8, 129, 96), (2, 16, 32), (2, 16, 1000)])
 def test_gemv_pdl_mode_equals_plain(rows, n, k, glu, device, monkeypatch):
     """The PDL mode reads the weight a block ahead (its first block before the wait): the
     same products in the same order, so the same bits. The wait itself is PTX; in the

@@ -32,28 +32,81 @@ READ_BEFORE_WAIT = {"_gemv_kernel"}
 
 @pytest.fixture
 def fresh_pdl(monkeypatch):
+    """A fresh decision on a machine that would qualify (Triton, a CUDA device of
+    capability 9.0): each test then changes one thing and must see it off."""
+    import torch
+
     monkeypatch.setattr(_triton, "_PDL", {})
+    monkeypatch.setattr(_triton, "HAS_TRITON", True)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda *a: (9, 0))
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    monkeypatch.delenv("TRELLM_PDL", raising=False)
     yield monkeypatch
     _triton._PDL.clear()
 
 
-def test_off_unless_asked(fresh_pdl):
-    fresh_pdl.delenv("TRELLM_PDL", raising=False)
-    assert _triton.pdl_kwargs() == {}
-
-
-def test_asked_but_no_cuda_device(fresh_pdl):
-    torch = pytest.importorskip("torch")
-    if torch.cuda.is_available():
-        pytest.skip("this checks a machine without a CUDA device")
+def test_on_when_asked_on_sm90(fresh_pdl):
     fresh_pdl.setenv("TRELLM_PDL", "1")
+    assert _triton.pdl_kwargs() == {"PDL": True, "launch_pdl": True}
+
+
+def test_off_unless_asked(fresh_pdl):
     assert _triton.pdl_kwargs() == {}
+
+
+def test_off_before_sm90(fresh_pdl):
+    import torch
+
+    fresh_pdl.setenv("TRELLM_PDL", "1")
+    fresh_pdl.setattr(torch.cuda, "get_device_capability", lambda *a: (8, 0))
+    assert _triton.pdl_kwargs() == {}
+
+
+def test_off_without_triton_or_cuda(fresh_pdl):
+    import torch
+
+    fresh_pdl.setenv("TRELLM_PDL", "1")
+    fresh_pdl.setattr(_triton, "HAS_TRITON", False)
+    assert not _triton.pdl_enabled()
+    _triton._PDL.clear()
+    fresh_pdl.setattr(_triton, "HAS_TRITON", True)
+    fresh_pdl.setattr(torch.cuda, "is_available", lambda: False)
+    assert not _triton.pdl_enabled()
 
 
 def test_never_in_the_interpreter(fresh_pdl):
     fresh_pdl.setenv("TRELLM_PDL", "1")
     fresh_pdl.setenv("TRITON_INTERPRET", "1")
     assert not _triton.pdl_enabled()
+
+
+def _kernel_params(tree: ast.Module) -> dict[str, set[str]]:
+    return {n.name: {a.arg for a in n.args.args} for n in ast.walk(tree) if isinstance(n, ast.FunctionDef)}
+
+
+def test_pdl_launches_target_pdl_kernels():
+    """Every ``kernel[grid](..., **pdl_kwargs())`` launches a kernel that takes PDL (looked
+    up in the launching module, or the trellm.kernels module it imports the name from),
+    and every kernel listed above is launched so somewhere."""
+    root = pathlib.Path(_triton.__file__).parent
+    trees = {p.stem: ast.parse(p.read_text()) for p in root.glob("*.py")}
+    launched = set()
+    for stem, tree in trees.items():
+        own = _kernel_params(tree)
+        imported = {alias.name: node.module.rsplit(".", 1)[1] for node in ast.walk(tree)
+                    if isinstance(node, ast.ImportFrom) and (node.module or "").startswith("trellm.kernels.")
+                    for alias in node.names}
+        for call in ast.walk(tree):
+            if not (isinstance(call, ast.Call) and isinstance(call.func, ast.Subscript)
+                    and isinstance(call.func.value, ast.Name)):
+                continue
+            if any(kw.arg is None and ast.unparse(kw.value) == "pdl_kwargs()" for kw in call.keywords):
+                name = call.func.value.id
+                params = own.get(name) or _kernel_params(trees[imported[name]]).get(name, set())
+                assert "PDL" in params, f"{stem}.py: {name} launched with pdl_kwargs() lacks PDL"
+                launched.add(name)
+    assert {name for _, name in DECODE_KERNELS} <= launched
 
 
 @pytest.mark.parametrize("module,name", DECODE_KERNELS)

@@ -172,8 +172,9 @@ class ModelRunner:
             rows = self._sampling_rows(batch)
             picked = [r for _, r in batch.samplers]
             if not batch.prompt_spans and picked == list(range(logits.shape[0])):
-                # Every row, in order (a decode step): no gather copy. The sampler may edit
-                # its rows in place; without prompt spans nothing reads logits after it.
+                # Every row, in order (a decode step): no gather copy. The sampler does not
+                # edit its input (penalties and temperature make new tensors), and without
+                # prompt spans nothing reads logits after it.
                 rows_logits = logits
             else:
                 rows_logits = logits[device_tensor(picked, logits.device)]
