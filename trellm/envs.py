@@ -33,3 +33,9 @@ def triton_interpret() -> bool:
     """Whether Triton kernels run in Triton's CPU interpreter (``TRITON_INTERPRET=1``):
     lets the kernel tests run without a GPU. Triton itself reads the same variable."""
     return os.environ.get("TRITON_INTERPRET", "").strip() not in ("", "0")
+
+
+def pdl_requested() -> bool:
+    """Programmatic dependent launch for the decode kernels (``TRELLM_PDL=1``; sm_90+ only,
+    see kernels/_triton.py): opt-in until measured on the GPU."""
+    return os.environ.get("TRELLM_PDL", "0") == "1"

@@ -54,9 +54,9 @@ def pdl_enabled() -> bool:
     """With TRELLM_PDL=1, on a CUDA device of compute capability 9.0 or more, with Triton,
     not in Triton's interpreter. Opt-in until measured on the GPU (scripts/gpu_next.sh g)."""
     if "on" not in _PDL:
-        import os
+        from trellm import envs
 
-        ok = HAS_TRITON and os.environ.get("TRELLM_PDL", "0") == "1" and os.environ.get("TRITON_INTERPRET") != "1"
+        ok = HAS_TRITON and envs.pdl_requested() and not envs.triton_interpret()
         if ok:
             import torch
 
