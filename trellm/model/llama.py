@@ -48,32 +48,31 @@ class Attention(torch.nn.Module):
     def forward(self, x: torch.Tensor, positions: torch.Tensor, ctx) -> torch.Tensor:
         t = x.shape[0]
         qkv = self.qkv_proj(x)
+        kv_cache = ctx.kv_caches[self.layer_idx]
         if ctx.ops is None and self.q_norm is None and ctx.rope_rotation is not None:
             # CPU decode: q and k are adjacent columns, so they rotate as one view (no
             # split, no cat); the values are those of the general path below.
             hq, hk, d = self.num_heads, self.num_kv_heads, self.head_dim
             qk = self.rope.rotate_rows(qkv[:, :(hq + hk) * d].view(t, hq + hk, d), ctx.rope_rotation)
-            v = qkv[:, (hq + hk) * d:].view(t, hk, d)
-            out = ctx.backend.forward(qk[:, :hq], qk[:, hq:], v, ctx.kv_caches[self.layer_idx], ctx.meta, self.scale)
-            return self.o_proj(out.reshape(t, -1))
-        q, k, v = self.qkv_proj.split(qkv)
-        q = q.view(t, self.num_heads, self.head_dim)
-        k = k.view(t, self.num_kv_heads, self.head_dim)
-        v = v.view(t, self.num_kv_heads, self.head_dim)
-        kv_cache = ctx.kv_caches[self.layer_idx]
-        if ctx.ops is not None:
-            # Fused path (GPU kernels): q/k norm, RoPE and the KV write in one kernel.
-            norms = {}
+            q, k, v = qk[:, :hq], qk[:, hq:], qkv[:, (hq + hk) * d:].view(t, hk, d)
+        else:
+            q, k, v = self.qkv_proj.split(qkv)
+            q = q.view(t, self.num_heads, self.head_dim)
+            k = k.view(t, self.num_kv_heads, self.head_dim)
+            v = v.view(t, self.num_kv_heads, self.head_dim)
+            if ctx.ops is not None:
+                # Fused path (GPU kernels): q/k norm, RoPE and the KV write in one kernel.
+                norms = {}
+                if self.q_norm is not None:
+                    norms = {"q_norm": (self.q_norm.weight, self.q_norm.eps),
+                             "k_norm": (self.k_norm.weight, self.k_norm.eps)}
+                cos, sin = self.rope.tables(q.device)
+                q = ctx.ops.rope_and_write_kv(q, k, v, cos, sin, kv_cache, ctx.meta.slot_mapping, positions, **norms)
+                out = ctx.backend.attend(q, kv_cache, ctx.meta, self.scale)
+                return self.o_proj(out.reshape(t, -1))
             if self.q_norm is not None:
-                norms = {"q_norm": (self.q_norm.weight, self.q_norm.eps),
-                         "k_norm": (self.k_norm.weight, self.k_norm.eps)}
-            cos, sin = self.rope.tables(q.device)
-            q = ctx.ops.rope_and_write_kv(q, k, v, cos, sin, kv_cache, ctx.meta.slot_mapping, positions, **norms)
-            out = ctx.backend.attend(q, kv_cache, ctx.meta, self.scale)
-            return self.o_proj(out.reshape(t, -1))
-        if self.q_norm is not None:
-            q, k = self.q_norm(q), self.k_norm(k)
-        q, k = self.rope(q, k, ctx.cos_sin, ctx.rope_rotation)
+                q, k = self.q_norm(q), self.k_norm(k)
+            q, k = self.rope(q, k, ctx.cos_sin, ctx.rope_rotation)
         out = ctx.backend.forward(q, k, v, kv_cache, ctx.meta, self.scale)
         return self.o_proj(out.reshape(t, -1))
 
