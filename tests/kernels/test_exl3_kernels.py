@@ -199,15 +199,6 @@ MMA_ROWS = [
 ]
 
 
-@pytest.mark.parametrize("codebook", CODEBOOKS)
-@pytest.mark.parametrize("bits", [1, 2, 3, 4, 5])
-def test_mma_every_codebook_and_rows(bits, codebook, device):
-    w = qt.exl3_weight(384, 256, bits, codebook, device, seed=200 + 10 * bits + CODEBOOKS.index(codebook))
-    f = exl3_fast.fuse([w])
-    for rows, cfg in MMA_ROWS:
-        _check_fast(f, rows, cfg, seed=rows)
-
-
 # prefetch (exl3_mma's software-pipelined K loop; the interpreter has 4 SMs, so programs_per_sm
 # sets the steps a split runs, 24 tile rows here): 1 row affine over 3 steps of two slices; 8
 # rows fused, splits of 2 and 1 steps; 16 rows exact, one slice, 3 splits of 2 steps; 3 rows on
@@ -226,12 +217,13 @@ MMA_PF_ROWS = [
 ]
 
 
+@pytest.mark.parametrize("cases", [MMA_ROWS, MMA_PF_ROWS], ids=["plain", "prefetch"])
 @pytest.mark.parametrize("codebook", CODEBOOKS)
 @pytest.mark.parametrize("bits", [1, 2, 3, 4, 5])
-def test_mma_prefetch_every_codebook_and_rows(bits, codebook, device):
+def test_mma_every_codebook_and_rows(bits, codebook, cases, device):
     w = qt.exl3_weight(384, 256, bits, codebook, device, seed=200 + 10 * bits + CODEBOOKS.index(codebook))
     f = exl3_fast.fuse([w])
-    for rows, cfg in MMA_PF_ROWS:
+    for rows, cfg in cases:
         _check_fast(f, rows, cfg, seed=rows)
 
 
