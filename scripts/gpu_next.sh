@@ -21,6 +21,24 @@ out=${OUT:-/tmp/gpu-next}; mkdir -p "$out"
 [ -d /tmp/site/fastapi ] || python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl 2>/dev/null
 export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1
 nvidia-smi --query-gpu=name,memory.total,clocks.max.sm --format=csv,noheader
+# PDL on / off (stages g-j): TRELLM_PDL is read once per process, so each run is its own.
+pdl_bf16() {  # $1 $2: limits of the on (with the checks) and off runs
+    mkdir -p "$out/pdl" "$out/nopdl"
+    TRELLM_PDL=1 timeout "$1" python3 scripts/gpu_bench.py --configs .gpu --stages correctness,small,big \
+        --out "$out/pdl" 2>&1 | tail -5
+    TRELLM_PDL=0 timeout "$2" python3 scripts/gpu_bench.py --configs .gpu --stages small,big --out "$out/nopdl" \
+        2>&1 | tail -3
+}
+pdl_exl3_engine() {  # $1: PDL 1 / 0; $2: the limit
+    local tag; tag=$([ "$1" = 1 ] && echo pdl || echo nopdl); mkdir -p "$out/exl3-$tag"
+    TRELLM_PDL=$1 timeout "$2" python3 scripts/gpu_exl3_check.py --out "$out/exl3-$tag" --stages engine \
+        --budget $(( $2 - 5 )) --engines "exl3 4" 2>&1 | tail -2
+}
+pdl_exl3_sweep() {  # $1: PDL 1 / 0
+    local tag; tag=$([ "$1" = 1 ] && echo pdl || echo nopdl); mkdir -p "$out/sweep-$tag"
+    TRELLM_PDL=$1 timeout 120 python3 scripts/gpu_exl3_sweep.py --out "$out/sweep-$tag" --budget 110 \
+        --combos 4:mul1 --layer-only --variants row-8x4-asm-aff,mma-8x2-aff-pps8-fo 2>&1 | grep -E "checks|best at"
+}
 case "${1:-a}" in
 a)
     timeout 150 python3 -m pytest -q -p no:cacheprovider tests/kernels/test_exl3_kernels.py -x 2>&1 | tail -4
@@ -91,49 +109,24 @@ g)
     TRELLM_PDL=1 timeout 100 python3 -m pytest -q -p no:cacheprovider tests/kernels -x -k "not exl3" \
         > "$out/pytest-pdl.txt" 2>&1
     tail -2 "$out/pytest-pdl.txt"
-    mkdir -p "$out/pdl" "$out/nopdl"
-    TRELLM_PDL=1 timeout 170 python3 scripts/gpu_bench.py --configs .gpu --stages correctness,small,big --out "$out/pdl" \
-        2>&1 | tail -6
-    TRELLM_PDL=0 timeout 120 python3 scripts/gpu_bench.py --configs .gpu --stages small,big --out "$out/nopdl" 2>&1 | tail -4
+    pdl_bf16 170 120
     tail -2 "$out/pytest-pdl.txt"
     ;;
 h)
     # The EXL3 side of g: the layer sweep (its checks, then CUDA-graph timings) and the 4.0 bpw
     # engine, each with PDL on and off.
-    mkdir -p "$out/sweep-pdl" "$out/sweep-nopdl" "$out/exl3-pdl" "$out/exl3-nopdl"
-    for v in 1 0; do
-        tag=$([ $v = 1 ] && echo pdl || echo nopdl)
-        TRELLM_PDL=$v timeout 120 python3 scripts/gpu_exl3_sweep.py --out "$out/sweep-$tag" --budget 110 \
-            --combos 4:mul1 --layer-only --variants row-8x4-asm-aff,mma-8x2-aff-pps8-fo 2>&1 | grep -E "checks|best at"
-        TRELLM_PDL=$v timeout 90 python3 scripts/gpu_exl3_check.py --out "$out/exl3-$tag" --stages engine --budget 80 \
-            --engines "exl3 4" 2>&1 | tail -2
-    done
+    for v in 1 0; do pdl_exl3_sweep $v; pdl_exl3_engine $v 90; done
     ;;
 i)
     # g and h in one call (when a machine is scarce): bf16 checks and figures with PDL on and
     # off, the EXL3 engine on and off, then the EXL3 layer sweep (checks + timings) with PDL on.
-    mkdir -p "$out/pdl" "$out/nopdl" "$out/exl3-pdl" "$out/exl3-nopdl" "$out/sweep-pdl"
-    TRELLM_PDL=1 timeout 150 python3 scripts/gpu_bench.py --configs .gpu --stages correctness,small,big --out "$out/pdl" \
-        2>&1 | tail -5
-    TRELLM_PDL=0 timeout 100 python3 scripts/gpu_bench.py --configs .gpu --stages small,big --out "$out/nopdl" 2>&1 | tail -3
-    for v in 1 0; do
-        tag=$([ $v = 1 ] && echo pdl || echo nopdl)
-        TRELLM_PDL=$v timeout 70 python3 scripts/gpu_exl3_check.py --out "$out/exl3-$tag" --stages engine --budget 65 \
-            --engines "exl3 4" 2>&1 | tail -2
-    done
-    TRELLM_PDL=1 timeout 120 python3 scripts/gpu_exl3_sweep.py --out "$out/sweep-pdl" --budget 110 \
-        --combos 4:mul1 --layer-only --variants row-8x4-asm-aff,mma-8x2-aff-pps8-fo 2>&1 | grep -E "checks|best at"
+    pdl_bf16 150 100
+    pdl_exl3_engine 1 70; pdl_exl3_engine 0 70
+    pdl_exl3_sweep 1
     ;;
 j)
     # i without the sweep, shorter limits (a session's last device minutes).
-    mkdir -p "$out/pdl" "$out/nopdl" "$out/exl3-pdl" "$out/exl3-nopdl"
-    TRELLM_PDL=1 timeout 130 python3 scripts/gpu_bench.py --configs .gpu --stages correctness,small,big --out "$out/pdl" \
-        2>&1 | tail -5
-    TRELLM_PDL=0 timeout 90 python3 scripts/gpu_bench.py --configs .gpu --stages small,big --out "$out/nopdl" 2>&1 | tail -3
-    for v in 1 0; do
-        tag=$([ $v = 1 ] && echo pdl || echo nopdl)
-        TRELLM_PDL=$v timeout 60 python3 scripts/gpu_exl3_check.py --out "$out/exl3-$tag" --stages engine --budget 55 \
-            --engines "exl3 4" 2>&1 | tail -2
-    done
+    pdl_bf16 130 90
+    pdl_exl3_engine 1 60; pdl_exl3_engine 0 60
     ;;
 esac
