@@ -4,7 +4,7 @@ import torch
 
 from trellm.attention.torch_paged import (AttentionMetadata, DecodeGroup, TorchPagedAttention,
                                           decode_mask, paged_decode_reference)
-from trellm.layers.norm_rope import RotaryEmbedding, rope_reference
+from trellm.layers.norm_rope import RMSNorm, RotaryEmbedding, rms_norm_reference, rope_reference
 
 
 @pytest.mark.parametrize("scaling", [None, {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
@@ -34,6 +34,25 @@ def test_rope_rotation_matrices_equal_tables(scaling):
     torch.testing.assert_close(rk, rope_reference(k, pos, rope.inv_freq), rtol=0, atol=1e-6)
     # Exactly two non-zeros per column: nothing else leaks into a rotated value.
     assert int((rope.rotation(pos)[1:] != 0).sum(dim=1).max()) == 2
+
+
+@pytest.mark.parametrize("rows,width", [(1, 576), (8, 576), (3, 64), (130, 960)])
+def test_rms_norm_cpu_equals_reference(rows, width):
+    """The CPU float32 norm (||x||^2 / D instead of mean(x^2)) within a few ulps of
+    transformers' arithmetic, at decode rows, batches and a prefill chunk; inputs of
+    mixed scales, so a badly rounded sum of squares would show."""
+    torch.manual_seed(rows)
+    x = torch.randn(rows, width) * torch.logspace(-3, 3, rows)[:, None]
+    norm = RMSNorm(width, 1e-5, torch.float32)
+    norm.weight.data.copy_(1 + 0.1 * torch.randn(width))
+    out = norm(x)
+    ref = rms_norm_reference(x, norm.weight, 1e-5)
+    torch.testing.assert_close(out, ref, rtol=2e-6, atol=0)
+    assert out.dtype == torch.float32
+    # A bf16 model keeps the reference arithmetic (cast back before the weight).
+    xb = x.to(torch.bfloat16)
+    nb = RMSNorm(width, 1e-5, torch.bfloat16)
+    assert torch.equal(nb(xb), rms_norm_reference(xb, nb.weight, 1e-5))
 
 
 def _pool(num_blocks=12, bs=4, hk=2, d=8):
@@ -111,3 +130,22 @@ def test_decode_query_heads_fold_equals_enable_gqa(hq):
         want = torch.nn.functional.scaled_dot_product_attention(
             q.unsqueeze(2), keys, vals, attn_mask=mask, scale=0.3, enable_gqa=hq != 2).squeeze(2)
         torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
+
+
+def test_pinned_module_attributes_read_the_same_tensors():
+    """builder._pin_module_attributes: plain-attribute reads return the module's own
+    parameters, buffers and submodules; a Parameter or submodule assigned afterwards wins
+    (Module.__setattr__ drops the pinned entry), so the pin never serves a stale weight."""
+    from trellm.worker.builder import _pin_module_attributes
+
+    outer = torch.nn.Sequential(torch.nn.Linear(4, 3), RMSNorm(3, 1e-6, torch.float32))
+    outer[0].register_buffer("table", torch.arange(3.0))
+    _pin_module_attributes(outer)
+    lin = outer[0]
+    assert lin.__dict__["weight"] is lin._parameters["weight"] and lin.weight is lin._parameters["weight"]
+    assert lin.__dict__["table"] is lin._buffers["table"]
+    assert outer.__dict__["1"] is outer._modules["1"]
+    new = torch.nn.Parameter(torch.ones(3, 4))
+    lin.weight = new
+    assert lin.weight is new and lin._parameters["weight"] is new
+    assert torch.equal(outer(torch.ones(1, 4))[0], outer[1](lin(torch.ones(1, 4)))[0])

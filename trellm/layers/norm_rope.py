@@ -23,15 +23,29 @@ def rms_norm_reference(x: torch.Tensor, weight: torch.Tensor, eps: float) -> tor
     return weight * xf.to(dtype)
 
 
+def rms_norm_cpu(x: torch.Tensor, weight: torch.Tensor, eps: torch.Tensor) -> torch.Tensor:
+    """The float32 RMSNorm in five ops that each cost ~1.5 us on a decode row, where
+    the reference's pow and mean take ~3 us apiece and ``+ eps`` wraps a Python float in
+    a tensor every call (14.5 vs 8.5 us a 576-wide row, 2-core AVX-512 machine).
+    mean(x^2) + eps = ||x||^2 / D + eps: the norm's square rounds within an ulp or two
+    of the reference's sum (x, logits: ~1e-7 relative, far inside the transformers
+    tolerance). ``eps``: a 0-dim float32 tensor."""
+    n = torch.linalg.vector_norm(x, dim=-1, keepdim=True)
+    return torch.mul(x, torch.rsqrt(torch.addcmul(eps, n, n, value=1.0 / x.shape[-1]))).mul_(weight)
+
+
 class RMSNorm(torch.nn.Module):
     def __init__(self, hidden_size: int, eps: float, dtype: torch.dtype):
         super().__init__()
         self.weight = torch.nn.Parameter(torch.ones(hidden_size, dtype=dtype), requires_grad=False)
         self.eps = eps
+        self.eps_cpu = torch.tensor(eps, dtype=torch.float32)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # Not F.rms_norm: on the CPU it is a composite of the same ops plus dtype
         # bookkeeping, measured ~1.5x slower on a 576-wide decode row (2-core AVX2).
+        if x.dtype == torch.float32 and x.device.type == "cpu" and self.weight.dtype == torch.float32:
+            return rms_norm_cpu(x, self.weight, self.eps_cpu)
         return rms_norm_reference(x, self.weight, self.eps)
 
     def weight_loader(self, param_name: str, tensor: torch.Tensor, shard: int | None = None) -> None:
