@@ -12,6 +12,7 @@ import torch
 import torch.nn.functional as F
 
 from trellm.kernels.gemv import gemv
+from trellm.layers.int8_head import Int8Head, int8_head_available
 from trellm.layers.linear import Linear, MergedLinear, check_float
 from trellm.layers.norm_rope import RMSNorm, RotaryEmbedding
 from trellm.model.config import ArchConfig
@@ -123,7 +124,7 @@ class LlamaForCausalLM(torch.nn.Module):
         self.layers = torch.nn.ModuleList(DecoderLayer(cfg, i, rope, dtype) for i in range(cfg.num_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
         self.lm_head = None
-        self.lm_head_int8: tuple[torch.Tensor, torch.Tensor] | None = None
+        self.lm_head_int8: Int8Head | None = None
         self.gemv_dispatch = None
         """trellm.kernels.gemv.GemvDispatch (CUDA): the LM head's skinny GEMM choice."""
         head_method = get_lm_head_method(cfg.quantization_config)
@@ -162,8 +163,7 @@ class LlamaForCausalLM(torch.nn.Module):
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         if self.lm_head_int8 is not None:
-            wq, scale = self.lm_head_int8
-            return torch._weight_int8pack_mm(hidden.to(scale.dtype), wq, scale).float()
+            return self.lm_head_int8(hidden)
         if isinstance(self.lm_head, Linear):
             return self.lm_head(hidden).float()
         weight = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
@@ -172,15 +172,11 @@ class LlamaForCausalLM(torch.nn.Module):
         return F.linear(hidden, weight).float()
 
     def use_int8_lm_head(self) -> None:
-        """CPU fast path: an int8 copy of the LM head (per-row scales, bf16 activations).
-        The head is ~a fifth of the weights read per token; int8 quarters its bytes and,
-        unlike a bf16 GEMM on a CPU without bf16 units, stays fast at batch 8."""
-        if not hasattr(torch, "_weight_int8pack_mm"):
-            return
-        weight = (self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight).detach().float()
-        scale = weight.abs().amax(dim=1).clamp_min(1e-12) / 127.0
-        wq = torch.round(weight / scale[:, None]).clamp_(-127, 127).to(torch.int8)
-        self.lm_head_int8 = (wq, scale.to(torch.bfloat16))
+        """CPU fast path: an int8 copy of the LM head (layers/int8_head.py). The head is
+        ~a fifth of the weights read per token; int8 quarters its bytes."""
+        if int8_head_available():
+            self.lm_head_int8 = Int8Head.from_weight(
+                self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight)
 
     # ---- loading -------------------------------------------------------------------
 
