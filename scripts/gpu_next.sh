@@ -13,8 +13,8 @@
 #   f: exl3_mma with its K loop software-pipelined (prefetch): tests, sweep, engine.
 #   g: programmatic dependent launch on / off: kernel tests, bf16 figures (issue 4);
 #   h: the same for EXL3: layer sweep and engine at 4.0 bpw;
-#   i: g and h in one call; j: i without the sweep.
-# Usage: OUT=... scripts/gpu_next.sh a|b|c|d|e|f|g|h|i|j
+#   i: g and h in one call; j: i without the sweep; k: g's bf16 figures alone (~4 min).
+# Usage: OUT=... scripts/gpu_next.sh a|b|c|d|e|f|g|h|i|j|k
 # Carry .whl (../shared/gpu/wheels.sh) and .gpu (../shared/gpu/configs/*.json copied in).
 set -uo pipefail
 out=${OUT:-/tmp/gpu-next}; mkdir -p "$out"
@@ -128,5 +128,9 @@ j)
     # i without the sweep, shorter limits (a session's last device minutes).
     pdl_bf16 130 90
     pdl_exl3_engine 1 60; pdl_exl3_engine 0 60
+    ;;
+k)
+    # Issue 4's bf16 figures with PDL on and off, nothing else (the fewest device minutes).
+    pdl_bf16 130 90
     ;;
 esac
