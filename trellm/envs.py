@@ -35,7 +35,8 @@ def triton_interpret() -> bool:
     return os.environ.get("TRITON_INTERPRET", "").strip() not in ("", "0")
 
 
-def pdl_requested() -> bool:
-    """Programmatic dependent launch for the decode kernels (``TRELLM_PDL=1``; sm_90+ only,
-    see kernels/_triton.py): opt-in until measured on the GPU."""
-    return os.environ.get("TRELLM_PDL", "0") == "1"
+def pdl_mode() -> str:
+    """Programmatic dependent launch (kernels/_triton.py; sm_90+ only): ``TRELLM_PDL`` unset
+    (``auto``): on for the kernels checked with it on the GPU (the bf16 decode graph's);
+    ``1``: on for every kernel that takes it (EXL3, int8 too); ``0``: off."""
+    return {"0": "off", "1": "all"}.get(os.environ.get("TRELLM_PDL", "").strip(), "auto")

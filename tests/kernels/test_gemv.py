@@ -122,7 +122,7 @@ def test_mlp_takes_the_fused_gemv_where_picked(device):
 def test_gemv_pdl_mode_equals_plain(rows, n, k, glu, device, monkeypatch):
     """The PDL mode reads the weight a block ahead (its first block before the wait): the
     same products in the same order, so the same bits. The wait itself is PTX; in the
-    interpreter it is stubbed out (on the GPU it runs: launch_pdl only with TRELLM_PDL=1)."""
+    interpreter it is stubbed out (on the GPU it runs, launched here without launch_pdl)."""
     from trellm import envs
     from trellm.kernels import gemv as g
     from trellm.kernels._triton import tl, triton

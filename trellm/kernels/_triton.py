@@ -47,27 +47,32 @@ __all__ = ["HAS_TRITON", "triton", "tl", "pdl_begin", "pdl_enabled", "pdl_kwargs
 # are complete and visible) and at once lets its own successor launch. Only the launch and
 # ramp-up overlap; the data dependencies are those of serial launches.
 
-_PDL: dict[str, bool] = {}
+_PDL: dict[str, object] = {}
 
 
-def pdl_enabled() -> bool:
-    """With TRELLM_PDL=1, on a CUDA device of compute capability 9.0 or more, with Triton,
-    not in Triton's interpreter. Opt-in until measured on the GPU (scripts/gpu_next.sh g)."""
-    if "on" not in _PDL:
+def pdl_enabled(gpu_checked: bool = True) -> bool:
+    """Whether a kernel launches with PDL: on a CUDA device of compute capability 9.0 or
+    more, with Triton, not in Triton's interpreter, and as ``TRELLM_PDL`` says
+    (envs.pdl_mode: by default for ``gpu_checked`` kernels, the ones whose engine-level
+    checks ran with PDL on the GPU). Decided once per process."""
+    if "ok" not in _PDL:
         from trellm import envs
 
-        ok = HAS_TRITON and envs.pdl_requested() and not envs.triton_interpret()
+        ok = HAS_TRITON and not envs.triton_interpret()
         if ok:
             import torch
 
             ok = torch.cuda.is_available() and torch.cuda.get_device_capability()[0] >= 9
-        _PDL["on"] = ok
-    return _PDL["on"]
+        _PDL["ok"], _PDL["mode"] = ok, envs.pdl_mode()
+    mode = _PDL["mode"]
+    return bool(_PDL["ok"]) and (mode == "all" or (mode == "auto" and gpu_checked))
 
 
-def pdl_kwargs() -> dict:
-    """Launch keywords for a kernel with a ``PDL`` constexpr that calls ``pdl_begin(PDL)``."""
-    return {"PDL": True, "launch_pdl": True} if pdl_enabled() else {}
+def pdl_kwargs(gpu_checked: bool = True) -> dict:
+    """Launch keywords for a kernel with a ``PDL`` constexpr that calls ``pdl_begin(PDL)``.
+    ``gpu_checked=False``: a kernel whose PDL mode no GPU run has checked yet (EXL3, int8):
+    only with ``TRELLM_PDL=1``."""
+    return {"PDL": True, "launch_pdl": True} if pdl_enabled(gpu_checked) else {}
 
 
 if HAS_TRITON:

@@ -394,7 +394,7 @@ def fast_input_transform(f: EXL3Fused, x2: torch.Tensor, dtype: torch.dtype) -> 
     m = x2.shape[0]
     out = torch.empty(len(f.parts), m, f.padded_in, dtype=dtype, device=x2.device)
     grid = (triton.cdiv(m, 16), f.padded_in // HAD_SIZE, len(f.parts))
-    _in_kernel[grid](x2, f.suh, out, m, f.in_features, f.padded_in, x2.stride(0), BM=16, num_warps=8, **pdl_kwargs())
+    _in_kernel[grid](x2, f.suh, out, m, f.in_features, f.padded_in, x2.stride(0), BM=16, num_warps=8, **pdl_kwargs(gpu_checked=False))
     return out
 
 
@@ -432,7 +432,7 @@ def fast_partials(f: EXL3Fused, x2: torch.Tensor, cfg: FastConfig, y: torch.Tens
             x, f.trellis.view(torch.int32), f.tile_part, out, ti, _tile_stride(f.trellis), f.padded_out, per,
             stride_xp, K=f.bits, CB=CODEBOOK_IDS[f.codebook], TK=cfg.tk, TN=cfg.tn, EVEN_K=ti % cfg.tk == 0,
             ASM=_use_asm(cfg.asm, f.codebook), AFF=cfg.affine and f.codebook == "mul1", num_warps=cfg.warps,
-            num_stages=cfg.stages, **pdl_kwargs())
+            num_stages=cfg.stages, **pdl_kwargs(gpu_checked=False))
         return out
     consts = dict(K=f.bits, CB=CODEBOOK_IDS[f.codebook], G=GROUP[f.bits], TK=cfg.tk, TN=cfg.tn, BM=bm, DOT=cfg.dot,
                   EVEN_K=ti % cfg.tk == 0, ASM=_use_asm(cfg.asm, f.codebook), num_warps=cfg.warps,
@@ -440,11 +440,11 @@ def fast_partials(f: EXL3Fused, x2: torch.Tensor, cfg: FastConfig, y: torch.Tens
     if cfg.split or cfg.row:  # row where G != 8: the split kernel, as FastConfig.row says
         _split_kernel[(blocks_n, splits, blocks_m)](
             x, f.trellis.view(torch.int32), f.tile_part, out, m, ti, _tile_stride(f.trellis), f.padded_out, per,
-            stride_xp, stride_xm, **consts, **pdl_kwargs())
+            stride_xp, stride_xm, **consts, **pdl_kwargs(gpu_checked=False))
         return out
     _fast_kernel[(blocks_n, splits, blocks_m)](
         x, f.suh, f.had, f.trellis.view(torch.int32), f.tile_part, out, m, ti, _tile_stride(f.trellis),
-        f.padded_out, f.in_features, per, stride_xp, stride_xm, f.suh.stride(0), IN_HAD=in_had, **consts, **pdl_kwargs())
+        f.padded_out, f.in_features, per, stride_xp, stride_xm, f.suh.stride(0), IN_HAD=in_had, **consts, **pdl_kwargs(gpu_checked=False))
     return out
 
 
@@ -455,7 +455,7 @@ def fast_output_transform(f: EXL3Fused, partials: torch.Tensor, dtype: torch.dty
     bias = f.bias if f.bias is not None else f.svh
     _out_kernel[(triton.cdiv(m, 16), n_p // HAD_SIZE)](
         partials, f.svh, bias, f.dest, f.ncols, out, m, n_p, splits, out.stride(0), BM=16,
-        HAS_BIAS=f.bias is not None, num_warps=8, **pdl_kwargs())
+        HAS_BIAS=f.bias is not None, num_warps=8, **pdl_kwargs(gpu_checked=False))
     return out
 
 
