@@ -270,3 +270,22 @@ def test_quantize_cli_errors(capsys, tiny, tmp_path):
     (tmp_path / "full" / "junk.txt").write_text("x")
     assert main(["quantize", str(tiny), "--out", str(tmp_path / "full"), "--bits", "2"]) == 1
     assert "not empty" in capsys.readouterr().err
+
+
+def test_calibration_hessians_see_every_projection_input(tiny):
+    """The Hessians are sums of x^T x over exactly the inputs each projection of a layer
+    receives (the model calls submodules through .forward, so a hook on __call__ would
+    see nothing): counts equal the calibration tokens, sums equal the direct products."""
+    from trellm.quant.exl3.quantize import Calibration, _dense_model, _open
+
+    model = _dense_model(*_open(str(tiny)), torch.device("cpu"), 32)
+    ids = torch.randint(0, model.cfg.vocab_size, (2, 32), generator=torch.Generator().manual_seed(0))
+    calib = Calibration(model, ids, torch.device("cpu"))
+    layer = model.layers[0]
+    groups = {"qkv": layer.self_attn.qkv_proj, "gate_up": layer.mlp.gate_up_proj}
+    sums = calib.hessians(groups, lambda: calib.forward(layer))
+    assert all("forward" not in m.__dict__ for m in groups.values())  # the recorders are gone
+    x = layer.input_layernorm(calib.x)
+    assert sums["qkv"][1] == 64
+    torch.testing.assert_close(sums["qkv"][0], x.t() @ x, rtol=1e-4, atol=1e-3)
+    assert sums["gate_up"][1] == 64 and float(sums["gate_up"][0].diagonal().min()) > 0

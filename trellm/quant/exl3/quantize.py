@@ -179,20 +179,29 @@ class Calibration:
         self.x = self.forward(layer)
 
     def hessians(self, modules: dict[str, torch.nn.Module], run: Callable[[], object]) -> dict:
-        """Sum of x^T x over the inputs each module sees while ``run()`` executes."""
+        """Sum of x^T x over the inputs each module sees while ``run()`` executes. Each
+        module's ``forward`` is shadowed by an instance attribute that records, not hooked:
+        the model runs its submodules through ``.forward`` (model/llama.py), so hooks of
+        ``Module.__call__`` would never fire."""
         acc = {name: [torch.zeros(m.in_features, m.in_features, device=self.device), 0]
                for name, m in modules.items()}
-        hooks = [m.register_forward_pre_hook(partial(_accumulate, acc[name])) for name, m in modules.items()]
+        for name, m in modules.items():
+            m.forward = partial(_recording, acc[name], type(m).forward.__get__(m))
         try:
             run()
         finally:
-            for h in hooks:
-                h.remove()
+            for m in modules.values():
+                del m.forward
         return acc
 
 
-def _accumulate(slot: list, module: torch.nn.Module, args: tuple) -> None:
-    x = args[0].reshape(-1, args[0].shape[-1]).float()
+def _recording(slot: list, forward: Callable, x: torch.Tensor) -> torch.Tensor:
+    _accumulate(slot, x)
+    return forward(x)
+
+
+def _accumulate(slot: list, x: torch.Tensor) -> None:
+    x = x.reshape(-1, x.shape[-1]).float()
     finite = torch.isfinite(x).all(dim=1)
     if not bool(finite.all()):
         x = x[finite]  # a non-finite row would poison the whole Hessian
