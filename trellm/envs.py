@@ -39,4 +39,9 @@ def pdl_mode() -> str:
     """Programmatic dependent launch (kernels/_triton.py; sm_90+ only): ``TRELLM_PDL`` unset
     (``auto``): on for the kernels checked with it on the GPU (the bf16 decode graph's);
     ``1``: on for every kernel that takes it (EXL3, int8 too); ``0``: off."""
-    return {"0": "off", "1": "all"}.get(os.environ.get("TRELLM_PDL", "").strip(), "auto")
+    raw = os.environ.get("TRELLM_PDL", "").strip().lower()
+    for mode, words in (("auto", ("", "auto")), ("off", ("0", "off", "false", "no")),
+                        ("all", ("1", "on", "true", "yes", "all"))):
+        if raw in words:
+            return mode
+    raise ValueError(f"TRELLM_PDL={raw!r:.20}: use auto (the default), 1 / on (all kernels) or 0 / off")

@@ -31,11 +31,14 @@ def test_int8_head_close_to_its_float_activation_reference(rows):
 
 
 def test_int8_head_rows_do_not_depend_on_the_batch():
-    head = Int8Head.from_weight(torch.randn(300, 64) * 0.1)
-    x = _hidden(9, 64, 5)
+    """A vocabulary not a multiple of 16 and up to 33 rows (vector tails, threaded paths):
+    each row's logits are the same bits alone and in any batch."""
+    head = Int8Head.from_weight(torch.randn(32003, 96) * 0.1)
+    x = _hidden(33, 96, 5)
     together = head(x)
-    for i in range(9):
+    for i in (0, 7, 16, 32):
         assert torch.equal(head(x[i:i + 1])[0], together[i])
+    assert torch.equal(head(x[3:20]), together[3:20])
 
 
 def test_int8_head_weights_round_per_row():
@@ -48,11 +51,22 @@ def test_int8_head_weights_round_per_row():
 
 
 def test_int8_head_extreme_rows_stay_in_range():
-    """Rows of one repeated value (the residual is ~0), zeros, and huge values: no int8
-    wrap-around (a q2 of 128 would flip to -128)."""
+    """Rows of one repeated value (the residual is ~0), zeros, huge values, and exact half
+    steps (s = 1: residuals of +-0.5, q2 = +-127): no int8 wrap-around."""
     head = Int8Head.from_weight(torch.randn(40, 16))
     x = torch.stack([torch.full((16,), 3.0), torch.zeros(16), torch.linspace(-1e4, 1e4, 16),
-                     torch.tensor([1.0, -1.0] * 8) * (127.5 / 127)])
+                     torch.tensor([127.0, 0.5, 1.5, -2.5, -0.5, 126.5] + [0.0] * 10)])
     got, want = head(x), head.reference(x)
     assert torch.isfinite(got).all()
     torch.testing.assert_close(got, want, rtol=1e-3, atol=1e-3 * float(want.abs().max()))
+    torch.testing.assert_close(got[3], want[3], rtol=0, atol=1e-4 * float(want[3].abs().max()))
+
+
+def test_not_offered_without_onednn(monkeypatch):
+    """Without oneDNN the CPU _int_mm is plain loops: the model keeps the dense head."""
+    from trellm.layers import int8_head
+
+    monkeypatch.setattr(int8_head, "_OK", [])
+    monkeypatch.setattr(torch.backends.mkldnn, "enabled", False)
+    assert not int8_head.int8_head_available()
+    monkeypatch.setattr(int8_head, "_OK", [])

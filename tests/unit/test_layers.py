@@ -39,20 +39,30 @@ def test_rope_rotation_matrices_equal_tables(scaling):
 @pytest.mark.parametrize("rows,width", [(1, 576), (8, 576), (3, 64), (130, 960)])
 def test_rms_norm_cpu_equals_reference(rows, width):
     """The CPU float32 norm (||x||^2 / D instead of mean(x^2)) within a few ulps of
-    transformers' arithmetic, at decode rows, batches and a prefill chunk; inputs of
-    mixed scales, so a badly rounded sum of squares would show."""
+    transformers' arithmetic, at decode rows, batches and a prefill chunk; scales mixed
+    across and within rows, so a badly rounded sum of squares would show. RMSNorm takes
+    this path on a float32 CPU tensor."""
+    from trellm.layers.norm_rope import rms_norm_cpu
+
     torch.manual_seed(rows)
-    x = torch.randn(rows, width) * torch.logspace(-3, 3, rows)[:, None]
+    x = torch.randn(rows, width) * torch.logspace(-3, 3, rows)[:, None] * torch.logspace(-2, 2, width)[None, :]
     norm = RMSNorm(width, 1e-5, torch.float32)
     norm.weight.data.copy_(1 + 0.1 * torch.randn(width))
     out = norm(x)
-    ref = rms_norm_reference(x, norm.weight, 1e-5)
-    torch.testing.assert_close(out, ref, rtol=2e-6, atol=0)
+    assert torch.equal(out, rms_norm_cpu(x, norm.weight, norm.eps_cpu))
+    torch.testing.assert_close(out, rms_norm_reference(x, norm.weight, 1e-5), rtol=2e-6, atol=0)
     assert out.dtype == torch.float32
-    # A bf16 model keeps the reference arithmetic (cast back before the weight).
-    xb = x.to(torch.bfloat16)
-    nb = RMSNorm(width, 1e-5, torch.bfloat16)
-    assert torch.equal(nb(xb), rms_norm_reference(xb, nb.weight, 1e-5))
+
+
+def test_rms_norm_bf16_keeps_the_reference_arithmetic():
+    """A bf16 model normalizes in float32 and casts back before the weight, as transformers."""
+    torch.manual_seed(0)
+    xb = torch.randn(4, 64).to(torch.bfloat16)
+    nb = RMSNorm(64, 1e-5, torch.bfloat16)
+    nb.weight.data.copy_(1 + 0.1 * torch.randn(64))
+    xf = xb.float()
+    want = nb.weight * (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + 1e-5)).to(torch.bfloat16)
+    assert torch.equal(nb(xb), want)
 
 
 def _pool(num_blocks=12, bs=4, hk=2, d=8):
@@ -134,8 +144,11 @@ def test_decode_query_heads_fold_equals_enable_gqa(hq):
 
 def test_pinned_module_attributes_read_the_same_tensors():
     """builder._pin_module_attributes: plain-attribute reads return the module's own
-    parameters, buffers and submodules; a Parameter or submodule assigned afterwards wins
-    (Module.__setattr__ drops the pinned entry), so the pin never serves a stale weight."""
+    parameters, buffers and submodules; a Parameter assigned afterwards wins
+    (Module.__setattr__ drops the pinned entry). Deleting or re-registering a buffer
+    afterwards would go stale: the builder pins only a finished model."""
+    import torch.nn.functional as F
+
     from trellm.worker.builder import _pin_module_attributes
 
     outer = torch.nn.Sequential(torch.nn.Linear(4, 3), RMSNorm(3, 1e-6, torch.float32))
@@ -148,4 +161,5 @@ def test_pinned_module_attributes_read_the_same_tensors():
     new = torch.nn.Parameter(torch.ones(3, 4))
     lin.weight = new
     assert lin.weight is new and lin._parameters["weight"] is new
-    assert torch.equal(outer(torch.ones(1, 4))[0], outer[1](lin(torch.ones(1, 4)))[0])
+    x = torch.randn(1, 4)
+    assert torch.equal(lin(x), F.linear(x, new, lin._parameters["bias"]))

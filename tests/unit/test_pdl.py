@@ -62,9 +62,22 @@ def test_all_kernels_when_asked(fresh_pdl):
     assert _triton.pdl_kwargs() == _triton.pdl_kwargs(gpu_checked=False) == {"PDL": True, "launch_pdl": True}
 
 
-def test_off_when_asked(fresh_pdl):
-    fresh_pdl.setenv("TRELLM_PDL", "0")
+@pytest.mark.parametrize("value", ["0", "off", "False", " no "])
+def test_off_when_asked(fresh_pdl, value):
+    fresh_pdl.setenv("TRELLM_PDL", value)
     assert _triton.pdl_kwargs() == _triton.pdl_kwargs(gpu_checked=False) == {}
+
+
+@pytest.mark.parametrize("value", ["on", "TRUE", "yes", "all"])
+def test_on_words(fresh_pdl, value):
+    fresh_pdl.setenv("TRELLM_PDL", value)
+    assert _triton.pdl_kwargs(gpu_checked=False) == {"PDL": True, "launch_pdl": True}
+
+
+def test_unknown_value_is_an_error_naming_the_variable(fresh_pdl):
+    fresh_pdl.setenv("TRELLM_PDL", "maybe")
+    with pytest.raises(ValueError, match="TRELLM_PDL"):
+        _triton.pdl_enabled()
 
 
 def test_off_before_sm90(fresh_pdl):
