@@ -18,30 +18,28 @@ weights with float32 activations (0.00118), and below the bf16-activation head's
 """
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import torch
+
+from trellm.quant.int8 import quantize_int8
 
 FINE = 254.0
 """The residual's grid is this much finer than the first part's: |x - s q1| <= s / 2
 rounds onto [-127, 127] steps of s / 254."""
 
 
-_OK: list[bool] = []
-
-
+@functools.cache
 def int8_head_available() -> bool:
     """``torch._int_mm`` through oneDNN, and exact on full-range inputs. Without oneDNN
     the CPU ``_int_mm`` is plain loops (~10x slower than the bf16-activation head it
     replaces); a CPU without VNNI may saturate int16 partial sums. Checked once."""
-    if not _OK:
-        ok = hasattr(torch, "_int_mm") and torch.backends.mkldnn.is_available() and torch.backends.mkldnn.enabled
-        if ok:
-            a = torch.tensor([[127, -127] * 32, [-127] * 64, [127] * 64], dtype=torch.int8)
-            b = torch.tensor([[127] * 16, [-127] * 16] * 32, dtype=torch.int8)
-            ok = torch.equal(torch._int_mm(a, b).long(), a.long() @ b.long())
-        _OK.append(ok)
-    return _OK[0]
+    if not (hasattr(torch, "_int_mm") and torch.backends.mkldnn.is_available() and torch.backends.mkldnn.enabled):
+        return False
+    a = torch.tensor([[127, -127] * 32, [-127] * 64, [127] * 64], dtype=torch.int8)
+    b = torch.tensor([[127] * 16, [-127] * 16] * 32, dtype=torch.int8)
+    return torch.equal(torch._int_mm(a, b).long(), a.long() @ b.long())
 
 
 @dataclass(frozen=True, eq=False)
@@ -55,10 +53,7 @@ class Int8Head:
 
     @classmethod
     def from_weight(cls, weight: torch.Tensor) -> "Int8Head":
-        w = weight.detach().float()
-        scale = w.abs().amax(dim=1).clamp_min(1e-12) / 127.0
-        q = torch.round(w / scale[:, None]).clamp_(-127, 127).to(torch.int8)
-        return cls(q, scale)
+        return cls(*quantize_int8(weight))
 
     def __call__(self, hidden: torch.Tensor) -> torch.Tensor:
         """float32 logits [M, vocab] of hidden [M, K] (any float dtype)."""
