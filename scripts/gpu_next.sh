@@ -14,7 +14,14 @@
 #   g: programmatic dependent launch on / off: kernel tests, bf16 figures (issue 4);
 #   h: the same for EXL3: layer sweep and engine at 4.0 bpw;
 #   i: g and h in one call; j: i without the sweep; k: g's bf16 figures alone (~4 min).
-# Usage: OUT=... scripts/gpu_next.sh a|b|c|d|e|f|g|h|i|j|k
+#   l: the H200 record run: issue 4's full bench (checks, speed, transformers peer and copy
+#      bandwidth) with the default PDL, Qwen3-0.6B again with PDL off, then issue 6's engine
+#      figures (EXL3 2 / 3 / 4 bpw, int8) on the same machine. With PICK=1, under the launch
+#      settings stage m picked (/tmp/trellm-pick.env, kept on a warm machine).
+#   m: the early PDL trigger and the GEMV weight prefetch: their GPU kernel tests, the engine
+#      checks with both on, then scripts/gpu_pdl_ab.py (whole-engine A/B, Qwen3-0.6B and 8B
+#      single stream); writes the best env-settable variant to /tmp/trellm-pick.env.
+# Usage: OUT=... [PICK=1] scripts/gpu_next.sh a|b|c|d|e|f|g|h|i|j|k|l|m
 # Carry .whl (../shared/gpu/wheels.sh) and .gpu (../shared/gpu/configs/*.json copied in).
 set -uo pipefail
 out=${OUT:-/tmp/gpu-next}; mkdir -p "$out"
@@ -132,5 +139,36 @@ j)
 k)
     # Issue 4's bf16 figures with PDL on and off, nothing else (the fewest device minutes).
     pdl_bf16 130 90
+    ;;
+l)
+    if [ "${PICK:-0}" = 1 ] && [ -f /tmp/trellm-pick.env ]; then set -a; . /tmp/trellm-pick.env; set +a; fi
+    env | grep -E "^TRELLM_" || echo "default launch settings"
+    mkdir -p "$out/bench" "$out/nopdl" "$out/exl3"
+    timeout 300 python3 scripts/gpu_bench.py --configs .gpu --out "$out/bench" 2>&1 | tail -6
+    TRELLM_PDL=0 timeout 60 python3 scripts/gpu_bench.py --configs .gpu --stages small --out "$out/nopdl" 2>&1 | tail -2
+    timeout 200 python3 scripts/gpu_exl3_check.py --out "$out/exl3" --stages engine --budget 190 2>&1 | tail -14
+    ;;
+m)
+    timeout 100 python3 -m pytest -q -p no:cacheprovider tests/kernels/test_gemv.py -k "pdl or prefetched" \
+        tests/unit/test_pdl.py 2>&1 | tail -2
+    mkdir -p "$out/check" "$out/ab"
+    TRELLM_PDL_TRIGGER=early TRELLM_GEMV_PREFETCH=2 timeout 100 python3 scripts/gpu_bench.py --configs .gpu \
+        --stages correctness --out "$out/check" 2>&1 | tail -3
+    timeout 370 python3 scripts/gpu_pdl_ab.py --configs .gpu --out "$out/ab" --budget 360 \
+        --variants base,early,early-pre2,early-pre2-force,early-pre4,pre2,early-pre4-force 2>&1 | tail -10
+    python3 - "$out/ab/gpu-pdl-ab.json" <<'PY'
+import json, sys
+runs = {v: r for v, r in json.load(open(sys.argv[1]))["variants"].items() if "qwen3-0.6b" in r and "force" not in v}
+base = runs.get("base")
+if base:
+    score = {v: sum(r[m]["median_tok_s"] / base[m]["median_tok_s"] for m in ("qwen3-0.6b", "llama-3.1-8b"))
+             for v, r in runs.items()}
+    best = max(score, key=score.get)
+    tags = best.split("-")
+    pre = next((t[3:] for t in tags if t.startswith("pre")), "0")
+    with open("/tmp/trellm-pick.env", "w") as f:
+        f.write(f"TRELLM_PDL_TRIGGER={'early' if 'early' in tags else 'late'}\nTRELLM_GEMV_PREFETCH={pre}\n")
+    print("picked", best, {k: round(v, 3) for k, v in score.items()})
+PY
     ;;
 esac

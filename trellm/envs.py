@@ -45,3 +45,21 @@ def pdl_mode() -> str:
         if raw in words:
             return mode
     raise ValueError(f"TRELLM_PDL={raw!r:.20}: use auto (the default), 1 / on (all kernels) or 0 / off")
+
+
+def gemv_prefetch_blocks() -> int:
+    """Weight blocks our skinny GEMM loads up front, before its PDL wait
+    (kernels/gemv.py): ``TRELLM_GEMV_PREFETCH``, an integer from 0 (the default) to 8."""
+    raw = os.environ.get("TRELLM_GEMV_PREFETCH", "").strip() or "0"
+    if not raw.isdigit() or int(raw) > 8:
+        raise ValueError(f"TRELLM_GEMV_PREFETCH={raw!r:.20}: use an integer from 0 to 8")
+    return int(raw)
+
+
+def pdl_trigger() -> str:
+    """When a PDL kernel lets its successor launch (kernels/_triton.py): ``TRELLM_PDL_TRIGGER``
+    ``late`` (the default: after its wait) or ``early`` (before it)."""
+    raw = os.environ.get("TRELLM_PDL_TRIGGER", "").strip().lower() or "late"
+    if raw not in ("late", "early"):
+        raise ValueError(f"TRELLM_PDL_TRIGGER={raw!r:.20}: use late (the default) or early")
+    return raw

@@ -117,12 +117,14 @@ def test_mlp_takes_the_fused_gemv_where_picked(device):
     assert ops.calls == 1  # only the unfused call above
 
 
+@pytest.mark.parametrize("pre_blocks", [0, 2])
 @pytest.mark.parametrize("glu", [False, True])
 @pytest.mark.parametrize("rows,n,k", [(1, 37, 200), (3, 64, 4096), (8, 129, 96), (2, 16, 32), (2, 16, 1000)])
-def test_gemv_pdl_mode_equals_plain(rows, n, k, glu, device, monkeypatch):
-    """The PDL mode reads the weight a block ahead (its first block before the wait): the
-    same products in the same order, so the same bits. The wait itself is PTX; in the
-    interpreter it is stubbed out (on the GPU it runs, launched here without launch_pdl)."""
+def test_gemv_pdl_mode_equals_plain(rows, n, k, glu, pre_blocks, device, monkeypatch):
+    """The PDL mode reads the weight a block ahead (its first block, and the PRE_K head,
+    before the wait): the same products in the same order, so the same bits. The wait
+    itself is PTX; in the interpreter it is stubbed out (on the GPU it runs, launched here
+    without launch_pdl, so both trigger orders of pdl_begin compile)."""
     from trellm import envs
     from trellm.kernels import gemv as g
     from trellm.kernels._triton import tl, triton
@@ -133,12 +135,32 @@ def test_gemv_pdl_mode_equals_plain(rows, n, k, glu, device, monkeypatch):
     gen = torch.Generator().manual_seed(rows * n + k)
     x = torch.randn(rows, 2 * k if glu else k, generator=gen).to(device)
     w = torch.randn(n, k, generator=gen).to(device)
-    bm, bn, bk = g._blocks(rows, n)
+    monkeypatch.setattr(g, "PREFETCH_BLOCKS", pre_blocks)
+    bm, bn, bk, pre = g._blocks(rows, n, k)
+    assert pre == (min(pre_blocks * bk, triton.next_power_of_2(k)) if pre_blocks else 0)
     outs = []
-    for pdl in (False, True):
+    for pdl in (False, 1, 2):
         y = torch.empty(rows, n, device=device)
         g._gemv_kernel[(triton.cdiv(n, bn),)](x, w, w, y, rows, n, k, x.stride(0), w.stride(0), y.stride(0),
-                                               BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, HAS_BIAS=False, GLU=glu, PDL=pdl)
+                                               BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, HAS_BIAS=False, GLU=glu,
+                                               PRE_K=pre, PDL=pdl)
         outs.append(y)
-    assert torch.equal(outs[0], outs[1])
+    assert torch.equal(outs[0], outs[1]) and torch.equal(outs[0], outs[2])
     assert torch.allclose(outs[1], gemv_ref(x, w, glu=glu), rtol=1e-4, atol=1e-3)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=str)
+@pytest.mark.parametrize("rows,n,k", [(1, 37, 300), (1, 2048, 1000), (4, 130, 4096), (8, 9, 64)])
+def test_gemv_prefetched_head_matches_reference(rows, n, k, dtype, device, monkeypatch):
+    """PREFETCH_BLOCKS > 0 (the weight's first PRE_K columns in one up-front load): the
+    reference within the dtype's tolerance, the GLU mode too."""
+    from trellm.kernels import gemv as g
+
+    monkeypatch.setattr(g, "PREFETCH_BLOCKS", 2)
+    assert g._blocks(rows, n, k)[3] > 0
+    res = kt.check_gemv(rows, n, k, dtype, device, bias=n % 2 == 1)
+    assert res.passed, str(res)
+    x, w = _gate_up(rows, n, k, dtype, device, seed=rows + k)
+    res = kt.compare("gemv.glu.pre", f"M={rows} N={n} K={k}", gemv(x, w, glu=True),
+                     gemv_ref(x, w, glu=True), kt.TOLERANCES[dtype], dtype)
+    assert res.passed, str(res)

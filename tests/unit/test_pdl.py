@@ -48,6 +48,7 @@ def fresh_pdl(monkeypatch):
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda *a: (9, 0))
     monkeypatch.delenv("TRITON_INTERPRET", raising=False)
     monkeypatch.delenv("TRELLM_PDL", raising=False)
+    monkeypatch.delenv("TRELLM_PDL_TRIGGER", raising=False)
     yield monkeypatch
     _triton._PDL.clear()
 
@@ -77,6 +78,22 @@ def test_on_words(fresh_pdl, value):
 def test_unknown_value_is_an_error_naming_the_variable(fresh_pdl):
     fresh_pdl.setenv("TRELLM_PDL", "maybe")
     with pytest.raises(ValueError, match="TRELLM_PDL"):
+        _triton.pdl_enabled()
+
+
+def test_trigger_late_by_default_early_when_asked(fresh_pdl):
+    assert _triton.pdl_kwargs()["PDL"] == 1
+    _triton._PDL.clear()
+    fresh_pdl.setenv("TRELLM_PDL_TRIGGER", " Early ")
+    assert _triton.pdl_kwargs() == {"PDL": 2, "launch_pdl": True}
+    fresh_pdl.setenv("TRELLM_PDL", "0")
+    _triton._PDL.clear()
+    assert _triton.pdl_kwargs() == {}
+
+
+def test_unknown_trigger_is_an_error_naming_the_variable(fresh_pdl):
+    fresh_pdl.setenv("TRELLM_PDL_TRIGGER", "soon")
+    with pytest.raises(ValueError, match="TRELLM_PDL_TRIGGER"):
         _triton.pdl_enabled()
 
 
@@ -157,3 +174,20 @@ def test_decode_kernels_take_the_switch(module, name):
         assert "x_ptr" not in before and "y_ptr" not in before and "w_ptr" in before
         stmts = stmts[wait:]
     assert ast.unparse(stmts[0]) == "pdl_begin(PDL)", f"{name}: its first statement is not the PDL wait"
+
+
+@pytest.mark.parametrize("value,want", [("", 0), ("0", 0), (" 2 ", 2), ("8", 8)])
+def test_gemv_prefetch_setting(monkeypatch, value, want):
+    from trellm import envs
+
+    monkeypatch.setenv("TRELLM_GEMV_PREFETCH", value)
+    assert envs.gemv_prefetch_blocks() == want
+
+
+@pytest.mark.parametrize("value", ["9", "-1", "two"])
+def test_gemv_prefetch_bad_values_name_the_variable(monkeypatch, value):
+    from trellm import envs
+
+    monkeypatch.setenv("TRELLM_GEMV_PREFETCH", value)
+    with pytest.raises(ValueError, match="TRELLM_GEMV_PREFETCH"):
+        envs.gemv_prefetch_blocks()

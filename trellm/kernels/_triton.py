@@ -42,19 +42,20 @@ __all__ = ["HAS_TRITON", "triton", "tl", "pdl_begin", "pdl_enabled", "pdl_kwargs
 # ---- programmatic dependent launch (sm_90+) -------------------------------------------------
 # A decode step is hundreds of small kernels in one CUDA graph; between two of them the GPU
 # drains one grid, then launches and ramps up the next. With PDL a kernel launched with
-# ``launch_pdl`` may start while its predecessor's last CTAs run: it waits (``gdc_wait``,
-# the first thing it does, so it reads and writes nothing before the predecessor's writes
-# are complete and visible) and at once lets its own successor launch. Only the launch and
-# ramp-up overlap; the data dependencies are those of serial launches.
+# ``launch_pdl`` may start while its predecessor's CTAs still run: it waits (``gdc_wait``)
+# before it reads or writes anything the predecessor may touch, so the data dependencies
+# are those of serial launches. Its successor may launch once every CTA of it has called
+# ``gdc_launch_dependents`` (or exited). ``late`` trigger: right after the wait, so only
+# the next kernel's launch overlaps. ``early``: before the wait, so a chain of kernels
+# launches as fast as the SMs have room for their CTAs, and a kernel that reads its
+# weight before the wait (gemv) streams it while the kernels ahead of it still run. A
+# grid's successor launches only once all its CTAs are resident (each calls the trigger
+# first), so waiting CTAs never take the room of a grid that still has to start some.
 
 _PDL: dict[str, object] = {}
 
 
-def pdl_enabled(gpu_checked: bool = True) -> bool:
-    """Whether a kernel launches with PDL: on a CUDA device of compute capability 9.0 or
-    more, with Triton, not in Triton's interpreter, and as ``TRELLM_PDL`` says
-    (envs.pdl_mode: by default for ``gpu_checked`` kernels, the ones whose engine-level
-    checks ran with PDL on the GPU). Decided once per process."""
+def _pdl_decision() -> tuple[bool, str, str]:
     if "ok" not in _PDL:
         from trellm import envs
 
@@ -63,26 +64,42 @@ def pdl_enabled(gpu_checked: bool = True) -> bool:
             import torch
 
             ok = torch.cuda.is_available() and torch.cuda.get_device_capability()[0] >= 9
-        _PDL["ok"], _PDL["mode"] = ok, envs.pdl_mode()
-    mode = _PDL["mode"]
-    return bool(_PDL["ok"]) and (mode == "all" or (mode == "auto" and gpu_checked))
+        _PDL["ok"], _PDL["mode"], _PDL["trigger"] = ok, envs.pdl_mode(), envs.pdl_trigger()
+    return bool(_PDL["ok"]), str(_PDL["mode"]), str(_PDL["trigger"])
+
+
+def pdl_enabled(gpu_checked: bool = True) -> bool:
+    """Whether a kernel launches with PDL: on a CUDA device of compute capability 9.0 or
+    more, with Triton, not in Triton's interpreter, and as ``TRELLM_PDL`` says
+    (envs.pdl_mode: by default for ``gpu_checked`` kernels, the ones whose engine-level
+    checks ran with PDL on the GPU). Decided once per process."""
+    ok, mode, _ = _pdl_decision()
+    return ok and (mode == "all" or (mode == "auto" and gpu_checked))
 
 
 def pdl_kwargs(gpu_checked: bool = True) -> dict:
-    """Launch keywords for a kernel with a ``PDL`` constexpr that calls ``pdl_begin(PDL)``.
+    """Launch keywords for a kernel with a ``PDL`` constexpr that calls ``pdl_begin(PDL)``:
+    PDL = 1 triggers the successor after the wait, 2 before it (``TRELLM_PDL_TRIGGER``).
     ``gpu_checked=False``: a kernel whose PDL mode no GPU run has checked yet (EXL3, int8):
     only with ``TRELLM_PDL=1``."""
-    return {"PDL": True, "launch_pdl": True} if pdl_enabled(gpu_checked) else {}
+    if not pdl_enabled(gpu_checked):
+        return {}
+    return {"PDL": 2 if _pdl_decision()[2] == "early" else 1, "launch_pdl": True}
 
 
 if HAS_TRITON:
     @triton.jit
     def pdl_begin(PDL: tl.constexpr):
-        """A kernel's first statement: with PDL, wait for the predecessor grid's completion
-        (and memory), then allow the successor's launch."""
+        """A kernel's first statement (after reads of never-written weights only): with
+        PDL, wait for the predecessor grid's completion (and memory) and allow the
+        successor's launch, in the order PDL says (1: wait first, 2: allow first)."""
         if PDL:
-            tl.extra.cuda.gdc_wait()
-            tl.extra.cuda.gdc_launch_dependents()
+            if PDL == 2:
+                tl.extra.cuda.gdc_launch_dependents()
+                tl.extra.cuda.gdc_wait()
+            else:
+                tl.extra.cuda.gdc_wait()
+                tl.extra.cuda.gdc_launch_dependents()
 else:
     def pdl_begin(PDL):  # the stand-in: kernels never run without Triton
         raise RuntimeError("triton is not installed")

@@ -28,6 +28,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn.functional as F
 
+from trellm import envs
 from trellm.kernels._triton import tl, triton, pdl_begin, pdl_kwargs
 
 log = logging.getLogger("trellm")
@@ -37,23 +38,47 @@ MAX_ROWS = 8
 
 
 @triton.jit
+def _load_x(x_ptr, offs_m, offs_k, m_mask, k_mask, stride_xm, K, GLU: tl.constexpr):
+    x_mask = m_mask[:, None] & k_mask[None, :]
+    x_ptrs = x_ptr + offs_m[:, None] * stride_xm + offs_k[None, :]
+    if GLU:
+        # activation._silu_and_mul_kernel's expression and rounding, so the product
+        # sees the same activation values as the unfused path (masked: silu(0) * 0 = 0).
+        gate = tl.load(x_ptrs, mask=x_mask, other=0.0).to(tl.float32)
+        up = tl.load(x_ptrs + K, mask=x_mask, other=0.0).to(tl.float32)
+        return (gate / (1.0 + tl.exp(-gate)) * up).to(x_ptr.dtype.element_ty)
+    return tl.load(x_ptrs, mask=x_mask, other=0.0)
+
+
+@triton.jit
 def _gemv_kernel(x_ptr, w_ptr, b_ptr, y_ptr, M, N, K, stride_xm, stride_wn, stride_ym,
                  BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                 HAS_BIAS: tl.constexpr, GLU: tl.constexpr, PDL: tl.constexpr = False):
+                 HAS_BIAS: tl.constexpr, GLU: tl.constexpr, PRE_K: tl.constexpr = 0,
+                 PDL: tl.constexpr = False):
+    """``PRE_K`` > 0: the first PRE_K columns of the program's weight rows in one load
+    issued first (before the PDL wait, so it overlaps the kernels before this one), the
+    rest streamed BLOCK_K at a time. The summation order depends on PRE_K, not on PDL."""
     pid = tl.program_id(0)
     offs_n = pid * BLOCK_N + tl.arange(0, BLOCK_N)
     offs_m = tl.arange(0, BLOCK_M)
     n_mask = offs_n < N
     m_mask = offs_m < M
-    acc = tl.zeros((BLOCK_M, BLOCK_N, BLOCK_K), dtype=tl.float32)
     w_rows = w_ptr + offs_n.to(tl.int64)[:, None] * stride_wn
+    if PRE_K > 0:
+        offs_p = tl.arange(0, PRE_K)
+        w_pre = tl.load(w_rows + offs_p[None, :], mask=n_mask[:, None] & (offs_p < K)[None, :], other=0.0)
     if PDL:
-        # The weight is never written during a forward: its first block is read before the
-        # wait for the previous kernel, and each next block one step ahead of its use.
-        w_next = tl.load(w_rows + tl.arange(0, BLOCK_K)[None, :],
-                         mask=n_mask[:, None] & (tl.arange(0, BLOCK_K) < K)[None, :], other=0.0)
+        # The weight is never written during a forward: it is read before the wait for the
+        # previous kernel (the PRE_K head and one block), each next block one step ahead.
+        w_next = tl.load(w_rows + (PRE_K + tl.arange(0, BLOCK_K))[None, :],
+                         mask=n_mask[:, None] & (PRE_K + tl.arange(0, BLOCK_K) < K)[None, :], other=0.0)
     pdl_begin(PDL)
-    for k0 in range(0, K, BLOCK_K):
+    y = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    if PRE_K > 0:
+        x = _load_x(x_ptr, offs_m, offs_p, m_mask, offs_p < K, stride_xm, K, GLU)
+        y += tl.sum(x.to(tl.float32)[:, None, :] * w_pre.to(tl.float32)[None, :, :], axis=2)
+    acc = tl.zeros((BLOCK_M, BLOCK_N, BLOCK_K), dtype=tl.float32)
+    for k0 in range(PRE_K, K, BLOCK_K):
         offs_k = k0 + tl.arange(0, BLOCK_K)
         k_mask = offs_k < K
         if PDL:
@@ -62,31 +87,30 @@ def _gemv_kernel(x_ptr, w_ptr, b_ptr, y_ptr, M, N, K, stride_xm, stride_wn, stri
                              mask=n_mask[:, None] & (offs_k + BLOCK_K < K)[None, :], other=0.0)
         else:
             w = tl.load(w_rows + offs_k[None, :], mask=n_mask[:, None] & k_mask[None, :], other=0.0)
-        x_mask = m_mask[:, None] & k_mask[None, :]
-        x_ptrs = x_ptr + offs_m[:, None] * stride_xm + offs_k[None, :]
-        if GLU:
-            # activation._silu_and_mul_kernel's expression and rounding, so the product
-            # sees the same activation values as the unfused path (masked: silu(0) * 0 = 0).
-            gate = tl.load(x_ptrs, mask=x_mask, other=0.0).to(tl.float32)
-            up = tl.load(x_ptrs + K, mask=x_mask, other=0.0).to(tl.float32)
-            x = (gate / (1.0 + tl.exp(-gate)) * up).to(x_ptr.dtype.element_ty)
-        else:
-            x = tl.load(x_ptrs, mask=x_mask, other=0.0)
+        x = _load_x(x_ptr, offs_m, offs_k, m_mask, k_mask, stride_xm, K, GLU)
         acc += x.to(tl.float32)[:, None, :] * w.to(tl.float32)[None, :, :]
-    y = tl.sum(acc, axis=2)
+    y += tl.sum(acc, axis=2)
     if HAS_BIAS:
         y += tl.load(b_ptr + offs_n, mask=n_mask, other=0.0).to(tl.float32)[None, :]
     tl.store(y_ptr + offs_m[:, None] * stride_ym + offs_n[None, :], y.to(y_ptr.dtype.element_ty),
              mask=m_mask[:, None] & n_mask[None, :])
 
 
-def _blocks(m: int, n: int) -> tuple[int, int, int]:
+PREFETCH_BLOCKS = envs.gemv_prefetch_blocks()
+"""Weight blocks (of BLOCK_K columns) a program loads up front, before the PDL wait
+(``PRE_K``); 0: one block at a time. ``TRELLM_GEMV_PREFETCH``; scripts/gpu_pdl_ab.py
+compares values in whole-engine runs."""
+
+
+def _blocks(m: int, n: int, k: int) -> tuple[int, int, int, int]:
+    """(BLOCK_M, BLOCK_N, BLOCK_K, PRE_K) for x [m, k] and a weight [n, k]."""
     block_m = triton.next_power_of_2(max(m, 1))
     # Enough programs to cover the SMs a few times over; at least 4 rows per program.
     block_n = 16 if n >= 16 * 512 else 8 if n >= 8 * 256 else 4
     # Keep the per-program accumulator near 4k floats (registers, not spills).
     block_k = max(32, 4096 // (block_m * block_n))
-    return block_m, block_n, block_k
+    pre_k = min(PREFETCH_BLOCKS * block_k, triton.next_power_of_2(k)) if PREFETCH_BLOCKS else 0
+    return block_m, block_n, block_k, pre_k
 
 
 def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
@@ -104,11 +128,12 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
     y = torch.empty(m, n, dtype=x.dtype, device=x.device)
     if m == 0 or n == 0:
         return y
-    bm, bn, bk = _blocks(m, n)
+    bm, bn, bk, pre = _blocks(m, n, k)
     _gemv_kernel[(triton.cdiv(n, bn),)](
         x, weight, bias if bias is not None else weight, y, m, n, k,
         x.stride(0), weight.stride(0), y.stride(0),
-        BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, HAS_BIAS=bias is not None, GLU=glu, num_warps=4, **pdl_kwargs())
+        BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, HAS_BIAS=bias is not None, GLU=glu, PRE_K=pre, num_warps=4,
+        **pdl_kwargs())
     return y
 
 
