@@ -155,10 +155,11 @@ m)
     TRELLM_PDL_TRIGGER=early TRELLM_GEMV_PREFETCH=2 timeout 100 python3 scripts/gpu_bench.py --configs .gpu \
         --stages correctness --out "$out/check" 2>&1 | tail -3
     timeout 370 python3 scripts/gpu_pdl_ab.py --configs .gpu --out "$out/ab" --budget 360 \
-        --variants base,early,early-pre2,early-pre2-force,early-pre4,pre2,early-pre4-force 2>&1 | tail -10
+        --variants base,early,early-pre2,early-pre2-force,early-pre2-floor256,early-pre4,pre2,early-pre4-force \
+        2>&1 | tail -11
     python3 - "$out/ab/gpu-pdl-ab.json" <<'PY'
 import json, sys
-runs = {v: r for v, r in json.load(open(sys.argv[1]))["variants"].items() if "qwen3-0.6b" in r and "force" not in v}
+runs = {v: r for v, r in json.load(open(sys.argv[1]))["variants"].items() if "qwen3-0.6b" in r and "force" not in v and "floor" not in v}
 base = runs.get("base")
 if base:
     score = {v: sum(r[m]["median_tok_s"] / base[m]["median_tok_s"] for m in ("qwen3-0.6b", "llama-3.1-8b"))

@@ -7,7 +7,9 @@ Each variant runs in its own process (the PDL decision is made once per process)
   dispatch, no up-front weight prefetch);
 * ``early``: ``TRELLM_PDL_TRIGGER=early`` (kernels/_triton.py);
 * ``preN``: ``kernels.gemv.PREFETCH_BLOCKS = N`` (the weight head loaded before the wait);
-* ``force``: our GEMV for every dense shape at 1-8 rows, whatever the calibration timed.
+* ``force``: our GEMV for every dense shape at 1-8 rows, whatever the calibration timed;
+* ``floorN``: ``kernels.paged_attention.SPLIT_FLOOR_TOKENS = N`` (decode splits of at least
+  N context tokens).
 
 Tags combine with ``-``: ``early-pre2-force``. Per variant: Qwen3-0.6B and Llama-3.1-8B
 shapes (random weights, bf16, the engine settings of scripts/gpu_bench.py), a warm-up,
@@ -34,9 +36,13 @@ MODELS = (("qwen3-0.6b", "qwen3-0.6b.json"), ("llama-3.1-8b", "llama-3.1-8b.json
 def apply_variant(tags: list[str]) -> dict:
     """Module settings of a variant, applied in this (child) process before any engine."""
     from trellm.kernels import gemv as g
+    from trellm.kernels import paged_attention
 
     applied = {}
     for tag in tags:
+        if tag.startswith("floor"):
+            paged_attention.SPLIT_FLOOR_TOKENS = int(tag[5:])
+            applied["paged_attention.SPLIT_FLOOR_TOKENS"] = paged_attention.SPLIT_FLOOR_TOKENS
         if tag.startswith("pre"):
             g.PREFETCH_BLOCKS = int(tag[3:])
             applied["gemv.PREFETCH_BLOCKS"] = g.PREFETCH_BLOCKS
@@ -50,6 +56,8 @@ def apply_variant(tags: list[str]) -> dict:
 
             g.GemvDispatch.calibrate = forced
             applied["gemv"] = "forced"
+        elif not tag.startswith("floor"):
+            raise ValueError(f"unknown variant tag {tag!r}")
     return applied
 
 

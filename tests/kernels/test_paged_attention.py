@@ -137,6 +137,19 @@ def test_decode_fused_reduce(case, dtype, device):
     _check_fused(lens, hq, hk, d, dtype, device, splits)
 
 
+@pytest.mark.parametrize("floor", [100, 128, 256])
+@pytest.mark.parametrize("fused", [False, True])
+def test_decode_split_floor(floor, fused, device, monkeypatch):
+    """SPLIT_FLOOR_TOKENS (each split at least that many tokens, rounded up to a tile):
+    fewer, longer splits at short contexts, the same attention; 100 rounds up to 128."""
+    monkeypatch.setattr(paged_attention, "SPLIT_FLOOR_TOKENS", floor)
+    lens = [1, 70, 129, 300, 600]
+    if fused:
+        _check_fused(lens, 16, 4, 128, BF16, device, num_splits=8)
+    else:
+        _assert(kt.check_paged_decode(lens, 16, 4, 128, BF16, device, num_splits=8))
+
+
 def test_decode_fused_reduce_page_8_fp16(device):
     _check_fused([9, 150, 70], 8, 2, 64, FP16, device, 3, page=8)
 

@@ -44,6 +44,9 @@ _SPLITS_PER_SM = 4
 # 16 x 32k and 1 x 128k contexts, 2.8 TB/s at 1 x 33k; BLOCK_N 128 or 3 stages
 # changed single cases by up to 10%, not all of them the same way.
 _DECODE_WARPS, _DECODE_STAGES, _DECODE_BLOCK_N = 4, 2, 64
+SPLIT_FLOOR_TOKENS = 0
+"""Fewest context tokens a decode split takes (rounded up to BLOCK_N; 0: one BLOCK_N tile).
+A module setting so scripts/gpu_pdl_ab.py can compare values in whole-engine runs."""
 _COMBINE_TILE = 4096
 """Elements of a fused-combine step's [heads, splits, D] tile: 32 float32 registers a
 thread at 4 warps, so the combine does not raise the split kernel's register count much."""
@@ -67,7 +70,8 @@ def _decode_split_kernel(
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
     PAGE: tl.constexpr, BLOCK_N: tl.constexpr,
     DIRECT: tl.constexpr, FUSED: tl.constexpr, BLOCK_S: tl.constexpr,
-    BLOCK_H: tl.constexpr, CHUNK: tl.constexpr, PRECISION: tl.constexpr, PDL: tl.constexpr = False,
+    BLOCK_H: tl.constexpr, CHUNK: tl.constexpr, PRECISION: tl.constexpr, SPLIT_FLOOR: tl.constexpr = 0,
+    PDL: tl.constexpr = False,
 ):
     pdl_begin(PDL)
     b = tl.program_id(0)
@@ -75,9 +79,12 @@ def _decode_split_kernel(
     split = tl.program_id(2)
     seq_len = tl.load(seq_lens_ptr + b)
     row = tl.load(token_index_ptr + b).to(tl.int64)
-    # Splits cover whole BLOCK_N tiles; trailing splits of a short sequence are empty.
-    # (The floor of BLOCK_N only matters for seq_len 0, outside the contract: no division by 0.)
-    per_split = tl.maximum(tl.cdiv(tl.cdiv(seq_len, num_splits), BLOCK_N) * BLOCK_N, BLOCK_N)
+    # Splits cover whole BLOCK_N tiles, at least SPLIT_FLOOR tokens (a multiple of BLOCK_N)
+    # each; trailing splits of a short sequence are empty. A graph's split count is fixed
+    # for its longest context; the floor keeps a short context to a few splits, fewer
+    # partials to combine. (A floor of at least BLOCK_N: no division by 0 at seq_len 0.)
+    per_split = tl.maximum(tl.cdiv(tl.cdiv(seq_len, num_splits), BLOCK_N) * BLOCK_N,
+                           tl.maximum(SPLIT_FLOOR, BLOCK_N))
     start = split * per_split
     end = tl.minimum(start + per_split, seq_len)
     if FUSED:
@@ -305,7 +312,7 @@ def paged_decode(q: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.Ten
         GROUP=group, BLOCK_G=block_g, HEAD_DIM=d, BLOCK_D=block_d,
         PAGE=page, BLOCK_N=block_n, DIRECT=direct, FUSED=fused,
         BLOCK_S=block_s, BLOCK_H=block_h, CHUNK=max(2, min(block_s, _COMBINE_TILE // (block_h * block_d))),
-        PRECISION=_dot_precision(q.dtype),
+        PRECISION=_dot_precision(q.dtype), SPLIT_FLOOR=triton.cdiv(SPLIT_FLOOR_TOKENS, block_n) * block_n,
         num_warps=_DECODE_WARPS, num_stages=_DECODE_STAGES, **pdl_kwargs(),
     )
     if not direct and not fused:
