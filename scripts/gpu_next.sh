@@ -18,9 +18,10 @@
 #      bandwidth) with the default PDL, Qwen3-0.6B again with PDL off, then issue 6's engine
 #      figures (EXL3 2 / 3 / 4 bpw, int8) on the same machine. With PICK=1, under the launch
 #      settings stage m picked (/tmp/trellm-pick.env, kept on a warm machine).
-#   m: the early PDL trigger and the GEMV weight prefetch: their GPU kernel tests, the engine
-#      checks with both on, then scripts/gpu_pdl_ab.py (whole-engine A/B, Qwen3-0.6B and 8B
-#      single stream); writes the best env-settable variant to /tmp/trellm-pick.env.
+#   m: the early PDL trigger and the GEMV weight prefetch: a token's linears in one graph
+#      (scripts/gpu_gemv_layers.py), then scripts/gpu_pdl_ab.py (whole-engine A/B, Qwen3-0.6B
+#      and 8B single stream), then the GEMV kernel tests; writes the best env-settable
+#      variant to /tmp/trellm-pick.env (stage l's engine checks then run under it).
 # Usage: OUT=... [PICK=1] scripts/gpu_next.sh a|b|c|d|e|f|g|h|i|j|k|l|m
 # Carry .whl (../shared/gpu/wheels.sh) and .gpu (../shared/gpu/configs/*.json copied in).
 set -uo pipefail
@@ -149,14 +150,12 @@ l)
     timeout 200 python3 scripts/gpu_exl3_check.py --out "$out/exl3" --stages engine --budget 190 2>&1 | tail -14
     ;;
 m)
-    timeout 100 python3 -m pytest -q -p no:cacheprovider tests/kernels/test_gemv.py -k "pdl or prefetched" \
+    mkdir -p "$out/layers" "$out/ab"
+    timeout 130 python3 scripts/gpu_gemv_layers.py --configs .gpu --out "$out/layers" --budget 110 2>&1 | tail -30
+    timeout 310 python3 scripts/gpu_pdl_ab.py --configs .gpu --out "$out/ab" --budget 300 \
+        --variants base,early,early-pre2,early-pre2-force,early-pre2-floor256,early-pre4 2>&1 | tail -9
+    timeout 90 python3 -m pytest -q -p no:cacheprovider tests/kernels/test_gemv.py -k "pdl or prefetched" \
         tests/unit/test_pdl.py 2>&1 | tail -2
-    mkdir -p "$out/check" "$out/ab"
-    TRELLM_PDL_TRIGGER=early TRELLM_GEMV_PREFETCH=2 timeout 100 python3 scripts/gpu_bench.py --configs .gpu \
-        --stages correctness --out "$out/check" 2>&1 | tail -3
-    timeout 370 python3 scripts/gpu_pdl_ab.py --configs .gpu --out "$out/ab" --budget 360 \
-        --variants base,early,early-pre2,early-pre2-force,early-pre2-floor256,early-pre4,pre2,early-pre4-force \
-        2>&1 | tail -11
     python3 - "$out/ab/gpu-pdl-ab.json" <<'PY'
 import json, sys
 runs = {v: r for v, r in json.load(open(sys.argv[1]))["variants"].items() if "qwen3-0.6b" in r and "force" not in v and "floor" not in v}
