@@ -17,7 +17,8 @@
 #   l: the H200 record run: issue 4's full bench (checks, speed, transformers peer and copy
 #      bandwidth) with the default PDL, Qwen3-0.6B again with PDL off, then issue 6's engine
 #      figures (EXL3 2 / 3 / 4 bpw, int8) on the same machine. With PICK=1, under the launch
-#      settings stage m picked (/tmp/trellm-pick.env, kept on a warm machine).
+#      settings stage m picked (/tmp/trellm-pick.env, kept on a warm machine). SHORT=1 skips
+#      the PDL-off Qwen3 run; EXL3_S / EXL3_ENGINES limit the EXL3 part.
 #   m: the early PDL trigger and the GEMV weight prefetch: a token's linears in one graph
 #      (scripts/gpu_gemv_layers.py), then scripts/gpu_pdl_ab.py (whole-engine A/B, Qwen3-0.6B
 #      and 8B single stream), then the GEMV kernel tests; writes the best env-settable
@@ -145,16 +146,18 @@ l)
     if [ "${PICK:-0}" = 1 ] && [ -f /tmp/trellm-pick.env ]; then set -a; . /tmp/trellm-pick.env; set +a; fi
     env | grep -E "^TRELLM_" || echo "default launch settings"
     mkdir -p "$out/bench" "$out/nopdl" "$out/exl3"
-    timeout 300 python3 scripts/gpu_bench.py --configs .gpu --out "$out/bench" 2>&1 | tail -6
-    TRELLM_PDL=0 timeout 60 python3 scripts/gpu_bench.py --configs .gpu --stages small --out "$out/nopdl" 2>&1 | tail -2
-    timeout 200 python3 scripts/gpu_exl3_check.py --out "$out/exl3" --stages engine --budget 190 2>&1 | tail -14
+    timeout 280 python3 scripts/gpu_bench.py --configs .gpu --out "$out/bench" 2>&1 | tail -6
+    [ "${SHORT:-0}" = 1 ] || TRELLM_PDL=0 timeout 60 python3 scripts/gpu_bench.py --configs .gpu --stages small \
+        --out "$out/nopdl" 2>&1 | tail -2
+    timeout ${EXL3_S:-200} python3 scripts/gpu_exl3_check.py --out "$out/exl3" --stages engine \
+        --budget $(( ${EXL3_S:-200} - 10 )) --engines "${EXL3_ENGINES:-exl3,int8,bf16}" 2>&1 | tail -14
     ;;
 m)
     mkdir -p "$out/layers" "$out/ab"
-    timeout 130 python3 scripts/gpu_gemv_layers.py --configs .gpu --out "$out/layers" --budget 110 2>&1 | tail -30
-    timeout 310 python3 scripts/gpu_pdl_ab.py --configs .gpu --out "$out/ab" --budget 300 \
-        --variants base,early,early-pre2,early-pre2-force,early-pre2-floor256,early-pre4 2>&1 | tail -9
-    timeout 90 python3 -m pytest -q -p no:cacheprovider tests/kernels/test_gemv.py -k "pdl or prefetched" \
+    timeout 110 python3 scripts/gpu_gemv_layers.py --configs .gpu --out "$out/layers" --budget 90 2>&1 | tail -30
+    timeout 230 python3 scripts/gpu_pdl_ab.py --configs .gpu --out "$out/ab" --budget 220 \
+        --variants base,early,early-pre2,early-pre2-force,early-pre2-floor256 2>&1 | tail -8
+    timeout 60 python3 -m pytest -q -p no:cacheprovider tests/kernels/test_gemv.py -k "prefetched" \
         tests/unit/test_pdl.py 2>&1 | tail -2
     python3 - "$out/ab/gpu-pdl-ab.json" <<'PY'
 import json, sys
