@@ -19,11 +19,13 @@
 #      figures (EXL3 2 / 3 / 4 bpw, int8) on the same machine. With PICK=1, under the launch
 #      settings stage m picked (/tmp/trellm-pick.env, kept on a warm machine). SHORT=1 skips
 #      the PDL-off Qwen3 run; EXL3_S / EXL3_ENGINES limit the EXL3 part.
+#   o: m and l in one call (a scarce machine): the linears sweep, a three-variant A/B, the
+#      pick, then issue 4's record run under it (no EXL3).
 #   m: the early PDL trigger and the GEMV weight prefetch: a token's linears in one graph
 #      (scripts/gpu_gemv_layers.py), then scripts/gpu_pdl_ab.py (whole-engine A/B, Qwen3-0.6B
 #      and 8B single stream), then the GEMV kernel tests; writes the best env-settable
 #      variant to /tmp/trellm-pick.env (stage l's engine checks then run under it).
-# Usage: OUT=... [PICK=1] scripts/gpu_next.sh a|b|c|d|e|f|g|h|i|j|k|l|m
+# Usage: OUT=... [PICK=1] scripts/gpu_next.sh a|b|c|d|e|f|g|h|i|j|k|l|m|o
 # Carry .whl (../shared/gpu/wheels.sh) and .gpu (../shared/gpu/configs/*.json copied in).
 set -uo pipefail
 out=${OUT:-/tmp/gpu-next}; mkdir -p "$out"
@@ -47,6 +49,22 @@ pdl_exl3_sweep() {  # $1: PDL 1 / 0
     local tag; tag=$([ "$1" = 1 ] && echo pdl || echo nopdl); mkdir -p "$out/sweep-$tag"
     TRELLM_PDL=$1 timeout 120 python3 scripts/gpu_exl3_sweep.py --out "$out/sweep-$tag" --budget 110 \
         --combos 4:mul1 --layer-only --variants row-8x4-asm-aff,mma-8x2-aff-pps8-fo 2>&1 | grep -E "checks|best at"
+}
+pick_variant() {  # the best env-settable variant of $out/ab/gpu-pdl-ab.json -> /tmp/trellm-pick.env
+    python3 - "$out/ab/gpu-pdl-ab.json" <<'PY'
+import json, sys
+runs = {v: r for v, r in json.load(open(sys.argv[1]))["variants"].items() if "qwen3-0.6b" in r and "force" not in v and "floor" not in v}
+base = runs.get("base")
+if base:
+    score = {v: sum(r[m]["median_tok_s"] / base[m]["median_tok_s"] for m in ("qwen3-0.6b", "llama-3.1-8b"))
+             for v, r in runs.items()}
+    best = max(score, key=score.get)
+    tags = best.split("-")
+    pre = next((t[3:] for t in tags if t.startswith("pre")), "0")
+    with open("/tmp/trellm-pick.env", "w") as f:
+        f.write(f"TRELLM_PDL_TRIGGER={'early' if 'early' in tags else 'late'}\nTRELLM_GEMV_PREFETCH={pre}\n")
+    print("picked", best, {k: round(v, 3) for k, v in score.items()})
+PY
 }
 case "${1:-a}" in
 a)
@@ -149,8 +167,17 @@ l)
     timeout 280 python3 scripts/gpu_bench.py --configs .gpu --out "$out/bench" 2>&1 | tail -6
     [ "${SHORT:-0}" = 1 ] || TRELLM_PDL=0 timeout 60 python3 scripts/gpu_bench.py --configs .gpu --stages small \
         --out "$out/nopdl" 2>&1 | tail -2
-    timeout ${EXL3_S:-200} python3 scripts/gpu_exl3_check.py --out "$out/exl3" --stages engine \
+    [ "${EXL3_S:-200}" -gt 0 ] && timeout ${EXL3_S:-200} python3 scripts/gpu_exl3_check.py --out "$out/exl3" --stages engine \
         --budget $(( ${EXL3_S:-200} - 10 )) --engines "${EXL3_ENGINES:-exl3,int8,bf16}" 2>&1 | tail -14
+    ;;
+o)
+    mkdir -p "$out/layers" "$out/ab"
+    timeout 100 python3 scripts/gpu_gemv_layers.py --configs .gpu --out "$out/layers" --budget 80 \
+        --variants cublas,ours,ours-late,ours-early,ours-pre2-early,ours-pre4-early,ours-n8-pre2-early 2>&1 | tail -22
+    timeout 160 python3 scripts/gpu_pdl_ab.py --configs .gpu --out "$out/ab" --budget 150 --repeats 2 \
+        --variants base,early-pre2,early-pre2-force 2>&1 | tail -6
+    pick_variant
+    PICK=1 SHORT=1 EXL3_S=0 bash "$0" l
     ;;
 m)
     mkdir -p "$out/layers" "$out/ab"
@@ -159,19 +186,6 @@ m)
         --variants base,early,early-pre2,early-pre2-force,early-pre2-floor256 2>&1 | tail -8
     timeout 60 python3 -m pytest -q -p no:cacheprovider tests/kernels/test_gemv.py -k "prefetched" \
         tests/unit/test_pdl.py 2>&1 | tail -2
-    python3 - "$out/ab/gpu-pdl-ab.json" <<'PY'
-import json, sys
-runs = {v: r for v, r in json.load(open(sys.argv[1]))["variants"].items() if "qwen3-0.6b" in r and "force" not in v and "floor" not in v}
-base = runs.get("base")
-if base:
-    score = {v: sum(r[m]["median_tok_s"] / base[m]["median_tok_s"] for m in ("qwen3-0.6b", "llama-3.1-8b"))
-             for v, r in runs.items()}
-    best = max(score, key=score.get)
-    tags = best.split("-")
-    pre = next((t[3:] for t in tags if t.startswith("pre")), "0")
-    with open("/tmp/trellm-pick.env", "w") as f:
-        f.write(f"TRELLM_PDL_TRIGGER={'early' if 'early' in tags else 'late'}\nTRELLM_GEMV_PREFETCH={pre}\n")
-    print("picked", best, {k: round(v, 3) for k, v in score.items()})
-PY
+    pick_variant
     ;;
 esac
