@@ -172,9 +172,9 @@ l)
     ;;
 o)
     mkdir -p "$out/layers" "$out/ab"
-    timeout 100 python3 scripts/gpu_gemv_layers.py --configs .gpu --out "$out/layers" --budget 80 \
+    timeout 100 python3 scripts/gpu_gemv_layers.py --configs .gpu --out "$out/layers" --budget 70 \
         --variants cublas,ours,ours-late,ours-early,ours-pre2-early,ours-pre4-early,ours-n8-pre2-early 2>&1 | tail -22
-    timeout 160 python3 scripts/gpu_pdl_ab.py --configs .gpu --out "$out/ab" --budget 150 --repeats 2 \
+    timeout 160 python3 scripts/gpu_pdl_ab.py --configs .gpu --out "$out/ab" --budget 140 --repeats 2 \
         --variants base,early-pre2,early-pre2-force 2>&1 | tail -6
     pick_variant
     PICK=1 SHORT=1 EXL3_S=0 bash "$0" l
