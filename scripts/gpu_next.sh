@@ -21,11 +21,13 @@
 #      the PDL-off Qwen3 run; EXL3_S / EXL3_ENGINES limit the EXL3 part.
 #   o: m and l in one call (a scarce machine): the linears sweep, a three-variant A/B, the
 #      pick, then issue 4's record run under it (no EXL3). p: o without the record run.
+#   q: the linears sweep alone (~1.5 min).
+#   r: the EXL3 engine at 4.0 bpw with PDL on (TRELLM_PDL=1), late and early trigger.
 #   m: the early PDL trigger and the GEMV weight prefetch: a token's linears in one graph
 #      (scripts/gpu_gemv_layers.py), then scripts/gpu_pdl_ab.py (whole-engine A/B, Qwen3-0.6B
 #      and 8B single stream), then the GEMV kernel tests; writes the best env-settable
 #      variant to /tmp/trellm-pick.env (stage l's engine checks then run under it).
-# Usage: OUT=... [PICK=1] scripts/gpu_next.sh a|b|c|d|e|f|g|h|i|j|k|l|m|o|p
+# Usage: OUT=... [PICK=1] scripts/gpu_next.sh a|b|c|d|e|f|g|h|i|j|k|l|m|o|p|q|r
 # Carry .whl (../shared/gpu/wheels.sh) and .gpu (../shared/gpu/configs/*.json copied in).
 set -uo pipefail
 out=${OUT:-/tmp/gpu-next}; mkdir -p "$out"
@@ -169,6 +171,18 @@ l)
         --out "$out/nopdl" 2>&1 | tail -2
     [ "${EXL3_S:-200}" -gt 0 ] && timeout ${EXL3_S:-200} python3 scripts/gpu_exl3_check.py --out "$out/exl3" --stages engine \
         --budget $(( ${EXL3_S:-200} - 10 )) --engines "${EXL3_ENGINES:-exl3,int8,bf16}" 2>&1 | tail -14
+    ;;
+q)
+    mkdir -p "$out/layers"
+    timeout 90 python3 scripts/gpu_gemv_layers.py --configs .gpu --out "$out/layers" --budget 65 \
+        --variants cublas,ours,ours-late,ours-early,ours-pre2-early,ours-pre4-early,ours-n8-pre2-early 2>&1 | tail -22
+    ;;
+r)
+    for trig in late early; do
+        mkdir -p "$out/exl3-$trig"
+        TRELLM_PDL=1 TRELLM_PDL_TRIGGER=$trig timeout 80 python3 scripts/gpu_exl3_check.py --out "$out/exl3-$trig" \
+            --stages engine --budget 70 --engines "exl3 4" 2>&1 | tail -2
+    done
     ;;
 o|p)
     mkdir -p "$out/layers" "$out/ab"
