@@ -22,7 +22,8 @@
 #   o: m and l in one call (a scarce machine): the linears sweep, a three-variant A/B, the
 #      pick, then issue 4's record run under it (no EXL3). p: o without the record run.
 #   q: the linears sweep alone (~1.5 min).
-#   r: the EXL3 engine at 4.0 bpw with PDL on (TRELLM_PDL=1), late and early trigger.
+#   r: the EXL3 engine at 4.0 bpw and int8 with PDL on (TRELLM_PDL=1: the EXL3 and int8
+#      kernels too), late and early trigger, then with PDL off.
 #   m: the early PDL trigger and the GEMV weight prefetch: a token's linears in one graph
 #      (scripts/gpu_gemv_layers.py), then scripts/gpu_pdl_ab.py (whole-engine A/B, Qwen3-0.6B
 #      and 8B single stream), then the GEMV kernel tests; writes the best env-settable
@@ -178,10 +179,11 @@ q)
         --variants cublas,ours,ours-late,ours-early,ours-pre2-early,ours-pre4-early,ours-n8-pre2-early 2>&1 | tail -22
     ;;
 r)
-    for trig in late early; do
+    for trig in late early off; do
         mkdir -p "$out/exl3-$trig"
-        TRELLM_PDL=1 TRELLM_PDL_TRIGGER=$trig timeout 80 python3 scripts/gpu_exl3_check.py --out "$out/exl3-$trig" \
-            --stages engine --budget 70 --engines "exl3 4" 2>&1 | tail -2
+        TRELLM_PDL=$([ $trig = off ] && echo 0 || echo 1) TRELLM_PDL_TRIGGER=$([ $trig = off ] && echo late || echo $trig) \
+            timeout 110 python3 scripts/gpu_exl3_check.py --out "$out/exl3-$trig" \
+            --stages engine --budget 100 --engines "exl3 4,int8" 2>&1 | tail -3
     done
     ;;
 o|p)

@@ -23,6 +23,8 @@ DECODE_KERNELS = [
     ("trellm.kernels.exl3_row", "_row_kernel"),
     ("trellm.kernels.exl3_mma", "_mma_kernel"),
     ("trellm.kernels.int8_gemv", "_reduce_kernel"),
+    ("trellm.kernels.int8_gemv", "_dot_kernel"),
+    ("trellm.kernels.int8_gemv", "_fma_kernel"),
 ]
 
 
@@ -140,6 +142,11 @@ def test_pdl_launches_target_pdl_kernels():
         imported = {alias.name: node.module.rsplit(".", 1)[1] for node in ast.walk(tree)
                     if isinstance(node, ast.ImportFrom) and (node.module or "").startswith("trellm.kernels.")
                     for alias in node.names}
+        # ``kernel = _a_kernel if ... else _b_kernel`` then ``kernel[grid](...)``: both.
+        aliases = {node.targets[0].id: [node.value.body.id, node.value.orelse.id] for node in ast.walk(tree)
+                   if isinstance(node, ast.Assign) and len(node.targets) == 1
+                   and isinstance(node.targets[0], ast.Name) and isinstance(node.value, ast.IfExp)
+                   and isinstance(node.value.body, ast.Name) and isinstance(node.value.orelse, ast.Name)}
         for call in ast.walk(tree):
             if not (isinstance(call, ast.Call) and isinstance(call.func, ast.Subscript)
                     and isinstance(call.func.value, ast.Name)):
@@ -147,12 +154,12 @@ def test_pdl_launches_target_pdl_kernels():
             for kw in call.keywords:
                 switch = ast.unparse(kw.value)
                 if kw.arg is None and switch.startswith("pdl_kwargs("):
-                    name = call.func.value.id
-                    params = own.get(name) or _kernel_params(trees[imported[name]]).get(name, set())
-                    assert "PDL" in params, f"{stem}.py: {name} launched with pdl_kwargs() lacks PDL"
-                    want = "pdl_kwargs()" if name in GPU_CHECKED else "pdl_kwargs(gpu_checked=False)"
-                    assert switch == want, f"{stem}.py: {name} launched with {switch}, not {want}"
-                    launched.add(name)
+                    for name in aliases.get(call.func.value.id, [call.func.value.id]):
+                        params = own.get(name) or _kernel_params(trees[imported[name]]).get(name, set())
+                        assert "PDL" in params, f"{stem}.py: {name} launched with pdl_kwargs() lacks PDL"
+                        want = "pdl_kwargs()" if name in GPU_CHECKED else "pdl_kwargs(gpu_checked=False)"
+                        assert switch == want, f"{stem}.py: {name} launched with {switch}, not {want}"
+                        launched.add(name)
     assert {name for _, name in DECODE_KERNELS} <= launched
 
 

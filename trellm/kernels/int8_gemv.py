@@ -162,7 +162,8 @@ def _finish(acc, n, m, nmask, mmask, M, N, splits, scale_ptr, bias_ptr, out_ptr,
 def _dot_kernel(x_ptr, q_ptr, scale_ptr, bias_ptr, out_ptr, part_ptr, lock_ptr, M, N, KD, steps_per_split, splits,
                 stride_x, stride_q, stride_o, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
                 EVEN_K: tl.constexpr, HAS_BIAS: tl.constexpr, SPLIT: tl.constexpr, SEM: tl.constexpr,
-                PRECISION: tl.constexpr, SWAP: tl.constexpr):
+                PRECISION: tl.constexpr, SWAP: tl.constexpr, PDL: tl.constexpr = False):
+    pdl_begin(PDL)
     n = tl.program_id(0) * BN + tl.arange(0, BN)
     m = tl.program_id(2) * BM + tl.arange(0, BM)
     nmask = n < N
@@ -198,7 +199,8 @@ def _dot_kernel(x_ptr, q_ptr, scale_ptr, bias_ptr, out_ptr, part_ptr, lock_ptr, 
 def _fma_kernel(x_ptr, q_ptr, scale_ptr, bias_ptr, out_ptr, part_ptr, lock_ptr, M, N, KD, steps_per_split, splits,
                 stride_x, stride_q, stride_o, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
                 EVEN_K: tl.constexpr, HAS_BIAS: tl.constexpr, SPLIT: tl.constexpr, SEM: tl.constexpr,
-                PRECISION: tl.constexpr, SWAP: tl.constexpr):
+                PRECISION: tl.constexpr, SWAP: tl.constexpr, PDL: tl.constexpr = False):
+    pdl_begin(PDL)
     n = tl.program_id(0) * BN + tl.arange(0, BN)
     nmask = n < N
     k0 = tl.program_id(1) * steps_per_split * BK
@@ -306,7 +308,8 @@ def int8_linear_triton(x2: torch.Tensor, q: torch.Tensor, scale: torch.Tensor, b
         x2, q, scale, bias_arg, out, part, locks, m, n, kd, per, splits,
         x2.stride(0), q.stride(0), out.stride(0), BM=cfg.block_m, BN=cfg.block_n, BK=cfg.block_k,
         EVEN_K=kd % (per * cfg.block_k) == 0, HAS_BIAS=bias is not None, SPLIT=split, SEM=sem,
-        PRECISION=_precision(x2.dtype), SWAP=cfg.swap, num_warps=cfg.warps, num_stages=cfg.stages)
+        PRECISION=_precision(x2.dtype), SWAP=cfg.swap, num_warps=cfg.warps, num_stages=cfg.stages,
+        **pdl_kwargs(gpu_checked=False))
     if split and not sem:
         _reduce_kernel[(m, triton.cdiv(n, 256))](part, scale, bias_arg, out, m, n, splits, out.stride(0),
                                                 BN=256, HAS_BIAS=bias is not None, num_warps=4, **pdl_kwargs(gpu_checked=False))
