@@ -45,7 +45,7 @@ def parse(variant: str) -> dict:
     for tag in variant.split("-")[1:]:
         if tag in ("late", "early"):
             opts["pdl"] = 1 if tag == "late" else 2
-        elif tag.startswith("pre"):
+        elif tag.startswith("pre") and tag[3:] in ("1", "2", "4", "8"):
             opts["pre"] = int(tag[3:])
         elif tag[0] in "nkw" and tag[1:].isdigit():
             opts[{"n": "n", "k": "k", "w": "warps"}[tag[0]]] = int(tag[1:])
@@ -66,7 +66,7 @@ def launcher(variant: str):
         bm, bn, bk, _ = g._blocks(1, n, k)
         bn = o["n"] or bn
         bk = o["k"] or max(32, 4096 // (bm * bn))
-        pre = min(o["pre"] * bk, triton.next_power_of_2(k)) if o["pre"] else 0
+        pre = min(triton.next_power_of_2(o["pre"] * bk), triton.next_power_of_2(k)) if o["pre"] else 0
         y = torch.empty(1, n, dtype=x.dtype, device=x.device)
         g._gemv_kernel[(triton.cdiv(n, bn),)](x, w, w, y, 1, n, k, x.stride(0), w.stride(0), y.stride(0),
                                                BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, HAS_BIAS=False, GLU=False,
@@ -125,7 +125,8 @@ def one_model(cfg_path: str, variants: list[str], deadline: float) -> dict:
                for _, n, k in layer] for _ in range(cfg["num_hidden_layers"])]
     head = torch.randn(hv, hk, device="cuda", dtype=torch.bfloat16, generator=gen) / hk ** 0.5
     x_by_in = {k: torch.randn(1, k, device="cuda", dtype=torch.bfloat16, generator=gen) for _, _, k in layer}
-    x_by_in[hk] = x_by_in.get(hk, torch.randn(1, hk, device="cuda", dtype=torch.bfloat16))
+    if hk not in x_by_in:
+        x_by_in[hk] = torch.randn(1, hk, device="cuda", dtype=torch.bfloat16)
     nbytes = sum(w.numel() * 2 for ws in layers for w in ws) + head.numel() * 2
     out = {"config": cfg_path, "weight_GB": round(nbytes / 1e9, 3), "variants": {}}
     print(f"\n### {os.path.basename(cfg_path)}: {nbytes / 1e9:.2f} GB of linears a token\n")

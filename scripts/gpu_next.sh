@@ -54,6 +54,7 @@ pdl_exl3_sweep() {  # $1: PDL 1 / 0
         --combos 4:mul1 --layer-only --variants row-8x4-asm-aff,mma-8x2-aff-pps8-fo 2>&1 | grep -E "checks|best at"
 }
 pick_variant() {  # the best env-settable variant of $out/ab/gpu-pdl-ab.json -> /tmp/trellm-pick.env
+    rm -f /tmp/trellm-pick.env
     python3 - "$out/ab/gpu-pdl-ab.json" <<'PY'
 import json, sys
 runs = {v: r for v, r in json.load(open(sys.argv[1]))["variants"].items() if "qwen3-0.6b" in r and "force" not in v and "floor" not in v}
@@ -170,13 +171,15 @@ l)
     timeout 280 python3 scripts/gpu_bench.py --configs .gpu --out "$out/bench" 2>&1 | tail -6
     [ "${SHORT:-0}" = 1 ] || TRELLM_PDL=0 timeout 60 python3 scripts/gpu_bench.py --configs .gpu --stages small \
         --out "$out/nopdl" 2>&1 | tail -2
-    [ "${EXL3_S:-200}" -gt 0 ] && timeout ${EXL3_S:-200} python3 scripts/gpu_exl3_check.py --out "$out/exl3" --stages engine \
-        --budget $(( ${EXL3_S:-200} - 10 )) --engines "${EXL3_ENGINES:-exl3,int8,bf16}" 2>&1 | tail -14
+    if [ "${EXL3_S:-200}" -gt 0 ]; then
+        timeout "${EXL3_S:-200}" python3 scripts/gpu_exl3_check.py --out "$out/exl3" --stages engine \
+            --budget $(( ${EXL3_S:-200} - 10 )) --engines "${EXL3_ENGINES:-exl3,int8,bf16}" 2>&1 | tail -14
+    fi
     ;;
 q)
     mkdir -p "$out/layers"
     timeout 90 python3 scripts/gpu_gemv_layers.py --configs .gpu --out "$out/layers" --budget 65 \
-        --variants cublas,ours,ours-late,ours-early,ours-pre2-early,ours-pre4-early,ours-n8-pre2-early 2>&1 | tail -22
+        --variants cublas,ours,ours-late,ours-early,ours-pre2-early,ours-pre4-early,ours-n8-pre2-early 2>&1 | tail -26
     ;;
 r)
     for trig in late early off; do
@@ -189,7 +192,7 @@ r)
 o|p)
     mkdir -p "$out/layers" "$out/ab"
     timeout 100 python3 scripts/gpu_gemv_layers.py --configs .gpu --out "$out/layers" --budget 70 \
-        --variants cublas,ours,ours-late,ours-early,ours-pre2-early,ours-pre4-early,ours-n8-pre2-early 2>&1 | tail -22
+        --variants cublas,ours,ours-late,ours-early,ours-pre2-early,ours-pre4-early,ours-n8-pre2-early 2>&1 | tail -26
     timeout 160 python3 scripts/gpu_pdl_ab.py --configs .gpu --out "$out/ab" --budget 140 --repeats 2 \
         --variants base,early-pre2,early-pre2-force 2>&1 | tail -6
     pick_variant
@@ -197,11 +200,12 @@ o|p)
     ;;
 m)
     mkdir -p "$out/layers" "$out/ab"
-    timeout 110 python3 scripts/gpu_gemv_layers.py --configs .gpu --out "$out/layers" --budget 90 2>&1 | tail -30
+    timeout 110 python3 scripts/gpu_gemv_layers.py --configs .gpu --out "$out/layers" --budget 90 2>&1 | tail -34
     timeout 230 python3 scripts/gpu_pdl_ab.py --configs .gpu --out "$out/ab" --budget 220 \
         --variants base,early,early-pre2,early-pre2-force,early-pre2-floor256 2>&1 | tail -8
-    timeout 60 python3 -m pytest -q -p no:cacheprovider tests/kernels/test_gemv.py -k "prefetched" \
-        tests/unit/test_pdl.py 2>&1 | tail -2
+    timeout 60 python3 -m pytest -q -p no:cacheprovider tests/kernels/test_gemv.py -k "prefetch or pdl_mode" \
+        2>&1 | tail -2
+    timeout 30 python3 -m pytest -q -p no:cacheprovider tests/unit/test_pdl.py 2>&1 | tail -2
     pick_variant
     ;;
 esac

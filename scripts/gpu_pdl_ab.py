@@ -44,6 +44,8 @@ def apply_variant(tags: list[str]) -> dict:
             paged_attention.SPLIT_FLOOR_TOKENS = int(tag[5:])
             applied["paged_attention.SPLIT_FLOOR_TOKENS"] = paged_attention.SPLIT_FLOOR_TOKENS
         if tag.startswith("pre"):
+            if tag[3:] not in ("1", "2", "4", "8"):
+                raise ValueError(f"{tag!r}: the prefetch takes 1, 2, 4 or 8 blocks")
             g.PREFETCH_BLOCKS = int(tag[3:])
             applied["gemv.PREFETCH_BLOCKS"] = g.PREFETCH_BLOCKS
         elif tag == "force":
@@ -128,9 +130,11 @@ def _greedy(n: int):
 
 
 def env_for(variant: str) -> dict:
+    """The variant's launch settings, whatever the caller's environment holds (a preN tag
+    then sets the prefetch in the child)."""
     env = dict(os.environ)
-    if "early" in variant.split("-"):
-        env["TRELLM_PDL_TRIGGER"] = "early"
+    env["TRELLM_PDL_TRIGGER"] = "early" if "early" in variant.split("-") else "late"
+    env["TRELLM_GEMV_PREFETCH"] = "0"
     return env
 
 
@@ -150,11 +154,13 @@ def main() -> None:
     os.makedirs(a.out, exist_ok=True)
     t0 = time.perf_counter()
     res = {"command": " ".join(sys.argv), "date": time.strftime("%Y-%m-%d %H:%M:%S"), "variants": {}}
+    first_s = None  # the first variant's duration: a later one that cannot fit is skipped
     for v in a.variants.split(","):
         left = a.budget - (time.perf_counter() - t0)
-        if left < 30:
+        if left < max(30.0, 1.1 * (first_s or 0.0)):
             res["variants"][v] = {"skipped": "time budget spent"}
             continue
+        t_v = time.perf_counter()
         try:
             p = subprocess.run([sys.executable, __file__, "--child", v, "--configs", a.configs,
                                 "--repeats", str(a.repeats)] + (["--smoke"] if a.smoke else []),
@@ -163,6 +169,7 @@ def main() -> None:
             res["variants"][v] = json.loads(line[7:]) if line else {"error": (p.stderr or p.stdout)[-3000:]}
         except subprocess.TimeoutExpired:
             res["variants"][v] = {"error": "timed out"}
+        first_s = first_s or time.perf_counter() - t_v
         report(res)
         with open(os.path.join(a.out, "gpu-pdl-ab.json"), "w") as f:
             json.dump(res, f, indent=1)
@@ -170,8 +177,8 @@ def main() -> None:
 
 def report(res: dict) -> None:
     runs = res["variants"]
-    base = next((r for r in runs.values() if "error" not in r and "skipped" not in r), None)
-    print(f"\n| variant | {' | '.join(m for m, _ in MODELS)} | greedy tokens equal to {next(iter(runs))} |")
+    name, base = next(((v, r) for v, r in runs.items() if "error" not in r and "skipped" not in r), (None, None))
+    print(f"\n| variant | {' | '.join(m for m, _ in MODELS)} | greedy tokens equal to {name} |")
     print("|---|---|---|---|")
     for v, r in runs.items():
         if "error" in r or "skipped" in r:

@@ -49,10 +49,11 @@ def pdl_mode() -> str:
 
 def gemv_prefetch_blocks() -> int:
     """Weight blocks our skinny GEMM loads up front, before its PDL wait
-    (kernels/gemv.py): ``TRELLM_GEMV_PREFETCH``, an integer from 0 (the default) to 8."""
+    (kernels/gemv.py): ``TRELLM_GEMV_PREFETCH``, 0 (the default), 1, 2, 4 or 8 (a power of
+    two: the kernel's up-front load is one power-of-two tile)."""
     raw = os.environ.get("TRELLM_GEMV_PREFETCH", "").strip() or "0"
-    if not raw.isdigit() or int(raw) > 8:
-        raise ValueError(f"TRELLM_GEMV_PREFETCH={raw!r:.20}: use an integer from 0 to 8")
+    if raw not in ("0", "1", "2", "4", "8"):
+        raise ValueError(f"TRELLM_GEMV_PREFETCH={raw!r:.20}: use 0, 1, 2, 4 or 8")
     return int(raw)
 
 

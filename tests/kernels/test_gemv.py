@@ -117,7 +117,7 @@ def test_mlp_takes_the_fused_gemv_where_picked(device):
     assert ops.calls == 1  # only the unfused call above
 
 
-@pytest.mark.parametrize("pre_blocks", [0, 2])
+@pytest.mark.parametrize("pre_blocks", [0, 2, 4])
 @pytest.mark.parametrize("glu", [False, True])
 @pytest.mark.parametrize("rows,n,k", [(1, 37, 200), (3, 64, 4096), (8, 129, 96), (2, 16, 32), (2, 16, 1000)])
 def test_gemv_pdl_mode_equals_plain(rows, n, k, glu, pre_blocks, device, monkeypatch):
@@ -138,6 +138,7 @@ def test_gemv_pdl_mode_equals_plain(rows, n, k, glu, pre_blocks, device, monkeyp
     monkeypatch.setattr(g, "PREFETCH_BLOCKS", pre_blocks)
     bm, bn, bk, pre = g._blocks(rows, n, k)
     assert pre == (min(pre_blocks * bk, triton.next_power_of_2(k)) if pre_blocks else 0)
+    assert pre & (pre - 1) == 0  # a power of two (or 0): tl.arange's range
     outs = []
     for pdl in (False, 1, 2):
         y = torch.empty(rows, n, device=device)
@@ -164,3 +165,18 @@ def test_gemv_prefetched_head_matches_reference(rows, n, k, dtype, device, monke
     res = kt.compare("gemv.glu.pre", f"M={rows} N={n} K={k}", gemv(x, w, glu=True),
                      gemv_ref(x, w, glu=True), kt.TOLERANCES[dtype], dtype)
     assert res.passed, str(res)
+
+
+@pytest.mark.parametrize("blocks", [1, 2, 4, 8])
+def test_prefetch_head_is_a_power_of_two_within_the_register_budget(blocks, monkeypatch):
+    from trellm.kernels import gemv as g
+
+    monkeypatch.setattr(g, "PREFETCH_BLOCKS", blocks)
+    for rows, n, k in [(1, 28672, 4096), (1, 4096, 14336), (1, 1024, 3072), (8, 9, 1000), (3, 130, 96)]:
+        bm, bn, bk, pre = g._blocks(rows, n, k)
+        assert pre > 0 and pre & (pre - 1) == 0
+        assert pre <= 4 * bk and pre <= triton_next_pow2(k)
+
+
+def triton_next_pow2(n: int) -> int:
+    return 1 << (n - 1).bit_length()

@@ -191,7 +191,7 @@ def test_gemv_prefetch_setting(monkeypatch, value, want):
     assert envs.gemv_prefetch_blocks() == want
 
 
-@pytest.mark.parametrize("value", ["9", "-1", "two"])
+@pytest.mark.parametrize("value", ["3", "9", "-1", "two"])
 def test_gemv_prefetch_bad_values_name_the_variable(monkeypatch, value):
     from trellm import envs
 

@@ -109,7 +109,11 @@ def _blocks(m: int, n: int, k: int) -> tuple[int, int, int, int]:
     block_n = 16 if n >= 16 * 512 else 8 if n >= 8 * 256 else 4
     # Keep the per-program accumulator near 4k floats (registers, not spills).
     block_k = max(32, 4096 // (block_m * block_n))
-    pre_k = min(PREFETCH_BLOCKS * block_k, triton.next_power_of_2(k)) if PREFETCH_BLOCKS else 0
+    pre_k = 0
+    if PREFETCH_BLOCKS:
+        # A power of two (tl.arange), at most 4x the accumulator's floats in the head's
+        # product (registers), no wider than K needs.
+        pre_k = min(triton.next_power_of_2(PREFETCH_BLOCKS * block_k), 4 * block_k, triton.next_power_of_2(k))
     return block_m, block_n, block_k, pre_k
 
 
@@ -192,6 +196,8 @@ class GemvDispatch:
                 key = (shape[0], shape[1], m)
                 self.timings_us[key] = (cublas, ours)
                 self.use_kernel[key] = ours < margin * cublas
+            del ws  # before the next shape's stand-ins: one set alive at a time
+        torch.cuda.empty_cache()  # the stand-ins' blocks back to the device, not the cache
         picked = sorted(k for k, v in self.use_kernel.items() if v)
         log.info("skinny GEMM: Triton kernel for %d of %d (N, K, rows) cases (%.1fs): %s",
                  len(picked), len(self.use_kernel), time.perf_counter() - t0, picked)
@@ -220,6 +226,8 @@ class GemvDispatch:
                 fused = _time_us([lambda w=w: gemv(x, w, glu=True) for w in ws])
                 self.glu_timings_us[key] = (unfused, fused)
                 self.use_glu[key] = fused < margin * unfused
+            del ws
+        torch.cuda.empty_cache()
         picked = sorted(key for key, fused_wins in self.use_glu.items() if fused_wins)
         log.info("SiLU-and-mul fused into the down projection's GEMV for %d of %d (N, K, rows) cases "
                  "(%.1fs): %s", len(picked), len(self.use_glu), time.perf_counter() - t0, picked)
@@ -231,14 +239,15 @@ def _l2_stand_ins(w: torch.Tensor, total_bytes: int = 192 << 20) -> list[torch.T
     H200): timed in turn, each call streams its weight from HBM, as in a decode step
     (every layer has its own weights). One weight timed over and over would sit in the L2
     and flatter whichever kernel keeps fewer bytes in flight."""
-    extra = min(15, max(0, -(-total_bytes // max(w.numel() * w.element_size(), 1)) - 1))
+    extra = min(63, max(0, -(-total_bytes // max(w.numel() * w.element_size(), 1)) - 1))
     return [w] + [torch.randn_like(w) for _ in range(extra)]
 
 
 def _time_us(fn, iters: int = 30) -> float:
-    """Median-free but warm: CUDA-event time per call of ``iters`` back-to-back calls,
-    cycling through ``fn`` when it is a list."""
+    """Median-free but warm: CUDA-event time per call of ``iters`` back-to-back calls
+    (at least one per entry), cycling through ``fn`` when it is a list."""
     fns = fn if isinstance(fn, list) else [fn]
+    iters = max(iters, len(fns))
     for f in fns * (3 if len(fns) < 3 else 1):
         f()
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
