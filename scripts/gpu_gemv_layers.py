@@ -25,8 +25,11 @@ import time
 import torch
 import torch.nn.functional as F
 
-from trellm.kernels import gemv as g
-from trellm.kernels._triton import triton
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from gpu_timing import bench_us  # noqa: E402
+
+from trellm.kernels import gemv as g  # noqa: E402
+from trellm.kernels._triton import triton  # noqa: E402
 
 VARIANTS = ("cublas,ours,ours-late,ours-early,ours-pre2-early,ours-pre4-early,ours-n8-early,ours-n8-pre2-early,"
             "ours-n32-pre2-early,ours-w8-pre2-early,ours-n8-k1024-early")
@@ -75,27 +78,14 @@ def launcher(variant: str):
     return run
 
 
-def time_sequence(fn, layers, head, x_by_in, iters: int = 10) -> float:
+def time_sequence(fn, layers, head, x_by_in) -> float:
     """Microseconds for one token's linears (every layer, then the head) in a graph."""
     def seq():
         for ws in layers:
             for w in ws:
                 fn(x_by_in[w.shape[1]], w)
         fn(x_by_in[head.shape[1]], head)
-    seq()
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        seq()
-    graph.replay()
-    torch.cuda.synchronize()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    for _ in range(iters):
-        graph.replay()
-    end.record()
-    torch.cuda.synchronize()
-    return start.elapsed_time(end) * 1e3 / iters
+    return bench_us([seq], torch.device("cuda"), target_s=0.05, min_reps=3)
 
 
 def check(fn, w, x) -> float:
@@ -106,15 +96,10 @@ def check(fn, w, x) -> float:
 
 
 def copy_tbps() -> float:
+    """A 1 GiB device copy (read + write) in a graph: a practical HBM peak."""
     a = torch.empty(1 << 30, dtype=torch.uint8, device="cuda")
     b = torch.empty_like(a)
-    b.copy_(a)
-    torch.cuda.synchronize()
-    t = time.perf_counter()
-    for _ in range(10):
-        b.copy_(a)
-    torch.cuda.synchronize()
-    return 2 * a.numel() * 10 / (time.perf_counter() - t) / 1e12
+    return 2 * a.numel() / bench_us([lambda: b.copy_(a)], a.device, target_s=0.05, min_reps=3) / 1e6
 
 
 def one_model(cfg_path: str, variants: list[str], deadline: float) -> dict:

@@ -41,9 +41,9 @@ def _graph_us(fn: Callable[[], object]) -> float:
     """Per-call time inside a CUDA graph (as in the decode graphs); eager off CUDA."""
     if DEV.type != "cuda":
         return kt.time_us(fn, DEV, iters=2, warmup=1)
-    from trellm.kernels.gemv import _time_us
+    from trellm.kernels.gemv import graph_time_us
 
-    return _time_us(fn)
+    return graph_time_us(fn, iters=30)
 
 
 def check_paged_decode_fused(seq_lens: list[int], hq: int, hk: int, d: int, dtype: torch.dtype,

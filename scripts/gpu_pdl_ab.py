@@ -78,7 +78,7 @@ def _smoke_config(path: str, out_dir: str) -> str:
 def child(variant: str, configs: str, repeats: int, smoke: bool = False) -> dict:
     sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
     import torch
-    from gpu_bench import free, prompts, run
+    from gpu_bench import free, prompts, run, tokens_of
 
     from trellm import LLM
     from trellm.kernels import _triton
@@ -110,8 +110,7 @@ def child(variant: str, configs: str, repeats: int, smoke: bool = False) -> dict
         for i in range(repeats):
             p = prompts(vocab, 1, 128, seed=10)
             if i == 0:
-                out = llm.generate([{"prompt_token_ids": p[0]}], _greedy(new))
-                r["tokens"] = out[0].outputs[0].token_ids
+                r["tokens"] = tokens_of(llm, p, new)[0]
             speeds.append(round(run(llm, p, new)["decode_tok_s"], 1))
         r["decode_tok_s"] = speeds
         r["median_tok_s"] = statistics.median(speeds)
@@ -121,12 +120,6 @@ def child(variant: str, configs: str, repeats: int, smoke: bool = False) -> dict
     res["pdl"] = {k: v for k, v in _triton._PDL.items()}
     res["device"] = "cpu (smoke)" if smoke else torch.cuda.get_device_name()
     return res
-
-
-def _greedy(n: int):
-    from trellm import SamplingParams
-
-    return SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True)
 
 
 def env_for(variant: str) -> dict:

@@ -170,13 +170,10 @@ def test_gemv_prefetched_head_matches_reference(rows, n, k, dtype, device, monke
 @pytest.mark.parametrize("blocks", [1, 2, 4, 8])
 def test_prefetch_head_is_a_power_of_two_within_the_register_budget(blocks, monkeypatch):
     from trellm.kernels import gemv as g
+    from trellm.kernels._triton import triton
 
     monkeypatch.setattr(g, "PREFETCH_BLOCKS", blocks)
     for rows, n, k in [(1, 28672, 4096), (1, 4096, 14336), (1, 1024, 3072), (8, 9, 1000), (3, 130, 96)]:
         bm, bn, bk, pre = g._blocks(rows, n, k)
         assert pre > 0 and pre & (pre - 1) == 0
-        assert pre <= 4 * bk and pre <= triton_next_pow2(k)
-
-
-def triton_next_pow2(n: int) -> int:
-    return 1 << (n - 1).bit_length()
+        assert pre <= 4 * bk and pre <= triton.next_power_of_2(k)

@@ -180,7 +180,7 @@ class GemvDispatch:
     def calibrate(self, weights: list[torch.Tensor], rows: tuple[int, ...] = (1, 2, 4, 8),
                   margin: float = 0.95) -> "GemvDispatch":
         """Time both on every distinct weight shape, streaming from HBM as decode does (see
-        ``_l2_stand_ins``); the kernel must win by 5%."""
+        ``l2_copies``); the kernel must win by 5%."""
         t0 = time.perf_counter()
         seen: set[tuple[int, int]] = set()
         for w in weights:
@@ -188,11 +188,11 @@ class GemvDispatch:
             if shape in seen or w.stride(1) != 1:
                 continue
             seen.add(shape)
-            ws = _l2_stand_ins(w)
+            ws = l2_copies(w)
             for m in rows:
                 x = torch.randn(m, w.shape[1], dtype=w.dtype, device=w.device)
-                cublas = _time_us([lambda w=w: F.linear(x, w) for w in ws])
-                ours = _time_us([lambda w=w: gemv(x, w) for w in ws])
+                cublas = graph_time_us([lambda w=w: F.linear(x, w) for w in ws], iters=30)
+                ours = graph_time_us([lambda w=w: gemv(x, w) for w in ws], iters=30)
                 key = (shape[0], shape[1], m)
                 self.timings_us[key] = (cublas, ours)
                 self.use_kernel[key] = ours < margin * cublas
@@ -217,13 +217,13 @@ class GemvDispatch:
             if w.stride(1) == 1:
                 by_shape.setdefault((w.shape[0], w.shape[1]), w)
         for (n, k), w in sorted(by_shape.items(), key=lambda item: item[0]):
-            ws = _l2_stand_ins(w)
+            ws = l2_copies(w)
             for m in rows:
                 x = torch.randn(m, 2 * k, dtype=w.dtype, device=w.device)
                 key = (n, k, m)
                 linear = gemv if self.use_kernel.get(key, False) else F.linear
-                unfused = _time_us([lambda w=w: linear(silu_and_mul(x), w) for w in ws])
-                fused = _time_us([lambda w=w: gemv(x, w, glu=True) for w in ws])
+                unfused = graph_time_us([lambda w=w: linear(silu_and_mul(x), w) for w in ws], iters=30)
+                fused = graph_time_us([lambda w=w: gemv(x, w, glu=True) for w in ws], iters=30)
                 self.glu_timings_us[key] = (unfused, fused)
                 self.use_glu[key] = fused < margin * unfused
             del ws
@@ -234,30 +234,33 @@ class GemvDispatch:
         return self
 
 
-def _l2_stand_ins(w: torch.Tensor, total_bytes: int = 192 << 20) -> list[torch.Tensor]:
-    """w and random weights of its shape, together well past the L2 (50 MB on an H100 or
-    H200): timed in turn, each call streams its weight from HBM, as in a decode step
-    (every layer has its own weights). One weight timed over and over would sit in the L2
-    and flatter whichever kernel keeps fewer bytes in flight."""
+def l2_copies(w: torch.Tensor, make=torch.randn_like, total_bytes: int = 192 << 20) -> list[torch.Tensor]:
+    """w and stand-ins of its shape (``make(w)``), together well past the L2 (50 MB on an
+    H100 or H200): timed in turn, each call streams its weight from HBM, as in a decode
+    step (every layer has its own weights). One weight timed over and over would sit in
+    the L2 and flatter whichever kernel keeps fewer bytes in flight."""
     extra = min(63, max(0, -(-total_bytes // max(w.numel() * w.element_size(), 1)) - 1))
-    return [w] + [torch.randn_like(w) for _ in range(extra)]
+    return [w] + [make(w) for _ in range(extra)]
 
 
-def _time_us(fn, iters: int = 30) -> float:
-    """Median-free but warm: CUDA-event time per call of ``iters`` back-to-back calls
-    (at least one per entry), cycling through ``fn`` when it is a list."""
-    fns = fn if isinstance(fn, list) else [fn]
+def graph_time_us(fns, iters: int = 20, warmup: int = 1) -> float:
+    """CUDA-event time per call of ``iters`` calls (at least one per entry, cycling
+    through ``fns``) captured in one CUDA graph, as decode runs them."""
+    fns = list(fns) if isinstance(fns, (list, tuple)) else [fns]
     iters = max(iters, len(fns))
-    for f in fns * (3 if len(fns) < 3 else 1):
-        f()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    # A graph removes launch overhead, as in the decode graphs where these run.
+    side = torch.cuda.Stream()  # warm-up off the capture stream, as PyTorch advises (cuBLAS)
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for fn in fns * warmup:
+            fn()
+    torch.cuda.current_stream().wait_stream(side)
+    torch.cuda.synchronize()
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
         for i in range(iters):
             fns[i % len(fns)]()
     graph.replay()
-    torch.cuda.synchronize()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
     start.record()
     graph.replay()
     end.record()

@@ -44,6 +44,7 @@ import torch
 import torch.nn.functional as F
 
 from trellm.kernels._triton import tl, triton, pdl_begin, pdl_kwargs
+from trellm.kernels.gemv import graph_time_us, l2_copies  # noqa: F401 (graph_time_us: scripts use it from here)
 from trellm.kernels.paged_attention import _num_sms
 
 log = logging.getLogger("trellm")
@@ -414,7 +415,7 @@ class Int8Dispatch:
             if self.has_shape(*q.shape):
                 continue
             self.mark_shape(*q.shape)
-            copies = _l2_copies(q)
+            copies = l2_copies(q, _random_int8)
             for m in rows or self.rows:
                 x = torch.randn(m, q.shape[1], dtype=torch.bfloat16, device=q.device)
                 times = time_configs(x, copies, scale, names or candidates(m))
@@ -426,11 +427,8 @@ class Int8Dispatch:
         return self
 
 
-def _l2_copies(q: torch.Tensor, total_bytes: int = 192 << 20) -> list[torch.Tensor]:
-    """q and random stand-ins, together past the L2 (50 MB on an H200), so a timing
-    loop streams from HBM as decode does instead of re-reading a cached weight."""
-    extra = min(15, max(0, -(-total_bytes // max(q.numel(), 1)) - 1))
-    return [q] + [torch.randint(-127, 128, q.shape, dtype=torch.int8, device=q.device) for _ in range(extra)]
+def _random_int8(q: torch.Tensor) -> torch.Tensor:
+    return torch.randint(-127, 128, q.shape, dtype=torch.int8, device=q.device)
 
 
 def time_configs(x: torch.Tensor, copies: list[torch.Tensor], scale: torch.Tensor, names: list[str]
@@ -447,30 +445,6 @@ def time_configs(x: torch.Tensor, copies: list[torch.Tensor], scale: torch.Tenso
             log.warning("int8 config %s failed at %s: %s", name, _key(*copies[0].shape, x.shape[0]),
                         str(e).splitlines()[0] if str(e) else type(e).__name__)
     return times
-
-
-def graph_time_us(fns, iters: int = 20, warmup: int = 1) -> float:
-    """CUDA-event time per call of ``iters`` calls (cycling through ``fns``) captured in
-    one CUDA graph, as decode runs them."""
-    fns = list(fns) if isinstance(fns, (list, tuple)) else [fns]
-    side = torch.cuda.Stream()  # warm-up off the capture stream, as PyTorch advises (cuBLAS)
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        for fn in fns * warmup:
-            fn()
-    torch.cuda.current_stream().wait_stream(side)
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for i in range(iters):
-            fns[i % len(fns)]()
-    graph.replay()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    graph.replay()
-    end.record()
-    torch.cuda.synchronize()
-    return start.elapsed_time(end) * 1e3 / iters
 
 
 def patch_interpreter_int_to_bf16() -> None:
