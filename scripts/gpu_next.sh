@@ -20,7 +20,8 @@
 #      settings stage m picked (/tmp/trellm-pick.env, kept on a warm machine). SHORT=1 skips
 #      the PDL-off Qwen3 run; EXL3_S / EXL3_ENGINES limit the EXL3 part.
 #   o: m and l in one call (a scarce machine): the linears sweep, a three-variant A/B, the
-#      pick, then issue 4's record run under it (no EXL3). p: o without the record run.
+#      pick, then issue 4's record run under it (no EXL3). p: o without the record run;
+#      x: o without the linears sweep (~7 min).
 #   q: the linears sweep alone (~1.5 min).
 #   r: the EXL3 engine at 4.0 bpw and int8 with PDL on (TRELLM_PDL=1: the EXL3 and int8
 #      kernels too), late and early trigger, then with PDL off.
@@ -28,7 +29,7 @@
 #      (scripts/gpu_gemv_layers.py), then scripts/gpu_pdl_ab.py (whole-engine A/B, Qwen3-0.6B
 #      and 8B single stream), then the GEMV kernel tests; writes the best env-settable
 #      variant to /tmp/trellm-pick.env (stage l's engine checks then run under it).
-# Usage: OUT=... [PICK=1] scripts/gpu_next.sh a|b|c|d|e|f|g|h|i|j|k|l|m|o|p|q|r
+# Usage: OUT=... [PICK=1] scripts/gpu_next.sh a|b|c|d|e|f|g|h|i|j|k|l|m|o|p|q|r|x
 # Carry .whl (../shared/gpu/wheels.sh) and .gpu (../shared/gpu/configs/*.json copied in).
 set -uo pipefail
 out=${OUT:-/tmp/gpu-next}; mkdir -p "$out"
@@ -189,14 +190,14 @@ r)
             --stages engine --budget 100 --engines "exl3 4,int8" 2>&1 | tail -3
     done
     ;;
-o|p)
+o|p|x)
     mkdir -p "$out/layers" "$out/ab"
-    timeout 100 python3 scripts/gpu_gemv_layers.py --configs .gpu --out "$out/layers" --budget 70 \
+    [ "$1" = x ] || timeout 100 python3 scripts/gpu_gemv_layers.py --configs .gpu --out "$out/layers" --budget 70 \
         --variants cublas,ours,ours-late,ours-early,ours-pre2-early,ours-pre4-early,ours-n8-pre2-early 2>&1 | tail -26
     timeout 160 python3 scripts/gpu_pdl_ab.py --configs .gpu --out "$out/ab" --budget 140 --repeats 2 \
         --variants base,early-pre2,early-pre2-force 2>&1 | tail -6
     pick_variant
-    [ "${1:-o}" = p ] || PICK=1 SHORT=1 EXL3_S=0 bash "$0" l
+    [ "$1" = p ] || PICK=1 SHORT=1 EXL3_S=0 bash "$0" l
     ;;
 m)
     mkdir -p "$out/layers" "$out/ab"
