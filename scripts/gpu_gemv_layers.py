@@ -72,6 +72,7 @@ def launcher(variant: str):
         pre = min(triton.next_power_of_2(o["pre"] * bk), triton.next_power_of_2(k)) if o["pre"] else 0
         y = torch.empty(1, n, dtype=x.dtype, device=x.device)
         g._gemv_kernel[(triton.cdiv(n, bn),)](x, w, w, y, 1, n, k, x.stride(0), w.stride(0), y.stride(0),
+                                               y, y, y, y, 0, 0, 0.0,
                                                BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, HAS_BIAS=False, GLU=False,
                                                PRE_K=pre, num_warps=o["warps"], **pdl)
         return y

@@ -67,7 +67,8 @@ if base:
     tags = best.split("-")
     pre = next((t[3:] for t in tags if t.startswith("pre")), "0")
     with open("/tmp/trellm-pick.env", "w") as f:
-        f.write(f"TRELLM_PDL_TRIGGER={'early' if 'early' in tags else 'late'}\nTRELLM_GEMV_PREFETCH={pre}\n")
+        f.write(f"TRELLM_PDL_TRIGGER={'early' if 'early' in tags else 'late'}\nTRELLM_GEMV_PREFETCH={pre}\n"
+                f"TRELLM_GEMV_ADD_NORM={int('addnorm' in tags)}\n")
     print("picked", best, {k: round(v, 3) for k, v in score.items()})
 PY
 }
@@ -194,8 +195,8 @@ o|p|x)
     mkdir -p "$out/layers" "$out/ab"
     [ "$1" = x ] || timeout 100 python3 scripts/gpu_gemv_layers.py --configs .gpu --out "$out/layers" --budget 70 \
         --variants cublas,ours,ours-late,ours-early,ours-pre2-early,ours-pre4-early,ours-n8-pre2-early 2>&1 | tail -26
-    timeout 160 python3 scripts/gpu_pdl_ab.py --configs .gpu --out "$out/ab" --budget 140 --repeats 2 \
-        --variants base,early-pre2,early-pre2-force 2>&1 | tail -6
+    timeout 200 python3 scripts/gpu_pdl_ab.py --configs .gpu --out "$out/ab" --budget 185 --repeats 2 \
+        --variants base,early-pre2,addnorm,early-pre2-addnorm 2>&1 | tail -7
     pick_variant
     [ "$1" = p ] || PICK=1 SHORT=1 EXL3_S=0 bash "$0" l
     ;;

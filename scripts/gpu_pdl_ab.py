@@ -8,6 +8,8 @@ Each variant runs in its own process (the PDL decision is made once per process)
 * ``early``: ``TRELLM_PDL_TRIGGER=early`` (kernels/_triton.py);
 * ``preN``: ``kernels.gemv.PREFETCH_BLOCKS = N`` (the weight head loaded before the wait);
 * ``force``: our GEMV for every dense shape at 1-8 rows, whatever the calibration timed;
+* ``addnorm``: ``TRELLM_GEMV_ADD_NORM=1`` (the o / down GEMV takes the residual add and the
+  next RMSNorm where calibration timed that faster: kernels/gemv.py gemv_add_rms_norm);
 * ``floorN``: ``kernels.paged_attention.SPLIT_FLOOR_TOKENS = N`` (decode splits of at least
   N context tokens).
 
@@ -84,7 +86,7 @@ def child(variant: str, configs: str, repeats: int, smoke: bool = False) -> dict
     from trellm.kernels import _triton
 
     res = {"variant": variant,
-           "applied": apply_variant([t for t in variant.split("-") if t not in ("base", "early")])}
+           "applied": apply_variant([t for t in variant.split("-") if t not in ("base", "early", "addnorm")])}
     new = 16 if smoke else 256
     for name, file in MODELS:
         path = os.path.join(configs, file)
@@ -104,6 +106,10 @@ def child(variant: str, configs: str, repeats: int, smoke: bool = False) -> dict
             r["gemv_us_rows1"] = {f"{n}x{k}": [round(t, 2) for t in ts] for (n, k, m), ts in d.timings_us.items()
                                   if m == 1}
             r["glu_rows1"] = [f"{n}x{k}" for (n, k, m), v in d.use_glu.items() if v and m == 1]
+            r["add_norm_us_rows1"] = {f"{n}x{k}{'-glu' if glu else ''}": [round(t, 2) for t in ts]
+                                      for (n, k, m, glu), ts in d.add_norm_timings_us.items() if m == 1}
+            r["add_norm_rows1"] = sorted(f"{n}x{k}{'-glu' if glu else ''}" for (n, k, m, glu), v
+                                         in d.use_add_norm.items() if v and m == 1)
         vocab = cfg["vocab_size"]
         run(llm, prompts(vocab, 1, 64, seed=1), 8)
         speeds = []
@@ -128,6 +134,7 @@ def env_for(variant: str) -> dict:
     env = dict(os.environ)
     env["TRELLM_PDL_TRIGGER"] = "early" if "early" in variant.split("-") else "late"
     env["TRELLM_GEMV_PREFETCH"] = "0"
+    env["TRELLM_GEMV_ADD_NORM"] = "1" if "addnorm" in variant.split("-") else "0"
     return env
 
 

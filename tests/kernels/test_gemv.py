@@ -86,6 +86,12 @@ class _RecordingOps:
         self.calls += 1
         return silu_and_mul_ref(x)
 
+    def fused_add_rms_norm(self, x, residual, weight, eps):
+        from trellm.kernels.rmsnorm import fused_add_rms_norm_ref
+
+        self.calls += 1
+        return fused_add_rms_norm_ref(x, residual, weight, eps)
+
 
 def _mlp(hidden: int = 32, inter: int = 48):
     from trellm.model.llama import MLP
@@ -117,6 +123,23 @@ def test_mlp_takes_the_fused_gemv_where_picked(device):
     assert ops.calls == 1  # only the unfused call above
 
 
+@pytest.mark.parametrize("glu", [False, True])
+def test_linear_add_norm_takes_the_fused_gemv_where_picked(glu, device):
+    """With the dispatch's pick: one gemv_add_rms_norm launch, no ops call, the values of
+    the unfused path (new residual exactly, normed within float32 rounding)."""
+    from trellm.model.llama import RMSNorm, linear_add_norm
+
+    mlp, ops = _mlp().to(device), _RecordingOps()
+    x = torch.randn(2, 96 if glu else 48).to(device)
+    norm, res = RMSNorm(32, 1e-5, torch.float32).to(device), torch.randn(2, 32).to(device)
+    want = linear_add_norm(mlp.down_proj, x, res, norm, ops, glu=glu)
+    mlp.down_proj.method.gemv_dispatch = GemvDispatch(use_add_norm={(32, 48, 2, glu): True})
+    got = linear_add_norm(mlp.down_proj, x, res, norm, ops, glu=glu)
+    assert ops.calls == (2 if glu else 1)  # only the unfused call above
+    torch.testing.assert_close(got[1], want[1], atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(got[0], want[0], atol=1e-5, rtol=1e-5)
+
+
 @pytest.mark.parametrize("pre_blocks", [0, 2, 4])
 @pytest.mark.parametrize("glu", [False, True])
 @pytest.mark.parametrize("rows,n,k", [(1, 37, 200), (3, 64, 4096), (8, 129, 96), (2, 16, 32), (2, 16, 1000)])
@@ -143,6 +166,7 @@ def test_gemv_pdl_mode_equals_plain(rows, n, k, glu, pre_blocks, device, monkeyp
     for pdl in (False, 1, 2):
         y = torch.empty(rows, n, device=device)
         g._gemv_kernel[(triton.cdiv(n, bn),)](x, w, w, y, rows, n, k, x.stride(0), w.stride(0), y.stride(0),
+                                               y, y, y, y, 0, 0, 0.0,
                                                BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, HAS_BIAS=False, GLU=glu,
                                                PRE_K=pre, PDL=pdl)
         outs.append(y)
@@ -165,6 +189,47 @@ def test_gemv_prefetched_head_matches_reference(rows, n, k, dtype, device, monke
     res = kt.compare("gemv.glu.pre", f"M={rows} N={n} K={k}", gemv(x, w, glu=True),
                      gemv_ref(x, w, glu=True), kt.TOLERANCES[dtype], dtype)
     assert res.passed, str(res)
+
+
+@pytest.mark.parametrize("glu", [False, True])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=str)
+@pytest.mark.parametrize("rows,n,k", [(1, 64, 128), (1, 37, 300), (3, 130, 96), (8, 1000, 64), (5, 2048, 40)])
+def test_gemv_add_rms_norm_equals_the_unfused_pair(rows, n, k, dtype, glu, device):
+    """gemv_add_rms_norm against gemv then fused_add_rms_norm (the path it replaces):
+    the new residual bit for bit (same products, same roundings); the normed rows within
+    one ulp of the dtype (the sum of squares is reduced in another thread layout); and
+    the normed rows against the float32 references. Run twice: the last program leaves
+    the arrival counter at zero for the next launch (as a graph replay needs)."""
+    from trellm.kernels import gemv as g
+    from trellm.kernels.rmsnorm import fused_add_rms_norm, fused_add_rms_norm_ref
+
+    gen = torch.Generator().manual_seed(rows * n + k + glu)
+    x = torch.randn(rows, 2 * k if glu else k, generator=gen).to(dtype).to(device)
+    w = (torch.randn(n, k, generator=gen) / k ** 0.5).to(dtype).to(device)
+    bias = torch.randn(n, generator=gen).to(dtype).to(device) if n % 2 else None
+    res = torch.randn(rows, n, generator=gen).to(dtype).to(device)
+    nw = (1 + 0.1 * torch.randn(n, generator=gen)).to(dtype).to(device)
+    want_normed, want_res = fused_add_rms_norm(gemv(x, w, bias, glu=glu), res, nw, 1e-5)
+    for _ in range(2):
+        normed, h = g.gemv_add_rms_norm(x, w, bias, res, nw, 1e-5, glu=glu)
+        assert int(g._counter(x.device).item()) == 0
+        assert torch.equal(h, want_res)
+        ulp = 2.0 ** -7 if dtype == torch.bfloat16 else 2.0 ** -20
+        torch.testing.assert_close(normed.float(), want_normed.float(), rtol=ulp, atol=ulp)
+    ref_normed, ref_res = fused_add_rms_norm_ref(gemv_ref(x, w, bias, glu=glu).float(), res.float(), nw.float(), 1e-5)
+    tol = kt.TOLERANCES[dtype]
+    res_cmp = kt.compare("gemv.add_norm", f"M={rows} N={n} K={k}", normed, ref_normed, tol, dtype)
+    assert res_cmp.passed, str(res_cmp)
+
+
+def test_gemv_add_rms_norm_rejects_mismatched_shapes(device):
+    from trellm.kernels import gemv as g
+
+    x, w = torch.zeros(2, 16, device=device), torch.zeros(8, 16, device=device)
+    with pytest.raises(ValueError, match="gemv_add_rms_norm"):
+        g.gemv_add_rms_norm(x, w, None, torch.zeros(2, 9, device=device), torch.ones(8, device=device), 1e-5)
+    with pytest.raises(ValueError, match="gemv_add_rms_norm"):
+        g.gemv_add_rms_norm(x, w, None, torch.zeros(2, 8, device=device), torch.ones(9, device=device), 1e-5)
 
 
 @pytest.mark.parametrize("blocks", [1, 2, 4, 8])

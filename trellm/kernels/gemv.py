@@ -52,12 +52,15 @@ def _load_x(x_ptr, offs_m, offs_k, m_mask, k_mask, stride_xm, K, GLU: tl.constex
 
 @triton.jit
 def _gemv_kernel(x_ptr, w_ptr, b_ptr, y_ptr, M, N, K, stride_xm, stride_wn, stride_ym,
+                 res_ptr, nw_ptr, normed_ptr, counter_ptr, stride_r, stride_o, eps,
                  BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                  HAS_BIAS: tl.constexpr, GLU: tl.constexpr, PRE_K: tl.constexpr = 0,
-                 PDL: tl.constexpr = False):
+                 ADD_NORM: tl.constexpr = False, BLOCK_NORM: tl.constexpr = 16, PDL: tl.constexpr = False):
     """``PRE_K`` > 0: the first PRE_K columns of the program's weight rows in one load
     issued first (before the PDL wait, so it overlaps the kernels before this one), the
-    rest streamed BLOCK_K at a time. The summation order depends on PRE_K, not on PDL."""
+    rest streamed BLOCK_K at a time. The summation order depends on PRE_K, not on PDL.
+    ``ADD_NORM``: y is the new residual (the linear's output, rounded, plus res), and the
+    last program also writes its RMSNorm (``_add_norm_tail``)."""
     pid = tl.program_id(0)
     offs_n = pid * BLOCK_N + tl.arange(0, BLOCK_N)
     offs_m = tl.arange(0, BLOCK_M)
@@ -92,9 +95,46 @@ def _gemv_kernel(x_ptr, w_ptr, b_ptr, y_ptr, M, N, K, stride_xm, stride_wn, stri
     y += tl.sum(acc, axis=2)
     if HAS_BIAS:
         y += tl.load(b_ptr + offs_n, mask=n_mask, other=0.0).to(tl.float32)[None, :]
-    tl.store(y_ptr + offs_m[:, None] * stride_ym + offs_n[None, :], y.to(y_ptr.dtype.element_ty),
-             mask=m_mask[:, None] & n_mask[None, :])
+    mask = m_mask[:, None] & n_mask[None, :]
+    if ADD_NORM:
+        # The unfused path's roundings: the linear's output to x's dtype, then the sum
+        # (rmsnorm._rms_norm_kernel's ``x + residual``) to the residual's.
+        r = tl.load(res_ptr + offs_m[:, None] * stride_r + offs_n[None, :], mask=mask, other=0.0)
+        y = y.to(x_ptr.dtype.element_ty).to(tl.float32) + r.to(tl.float32)
+    tl.store(y_ptr + offs_m[:, None] * stride_ym + offs_n[None, :], y.to(y_ptr.dtype.element_ty), mask=mask)
+    if ADD_NORM:
+        _add_norm_tail(y_ptr, nw_ptr, normed_ptr, counter_ptr, M, N, stride_ym, stride_o, eps,
+                       x_ptr.dtype.element_ty, BLOCK_M, BLOCK_NORM)
 
+
+@triton.jit
+def _add_norm_tail(h_ptr, nw_ptr, normed_ptr, counter, M, N, stride_h, stride_o, eps, X_DTYPE: tl.constexpr,
+                   BLOCK_M: tl.constexpr, BLOCK_NORM: tl.constexpr):
+    """Count this program in; the last of them RMS-normalizes the M rows of h (every
+    program's stores, read through L2) into normed, with rmsnorm._rms_norm_kernel's
+    arithmetic, then sets the counter back to 0 (a graph replay finds it zero). The
+    pattern of paged_attention._arrive_and_combine: a CTA barrier, then one acq_rel
+    atomic at GPU scope."""
+    tl.debug_barrier()
+    arrived = tl.atomic_add(counter, 1, sem="acq_rel", scope="gpu")
+    if arrived == tl.num_programs(0) - 1:
+        offs = tl.arange(0, BLOCK_NORM)
+        cmask = offs < N
+        w = tl.load(nw_ptr + offs, mask=cmask, other=0.0).to(tl.float32)
+        for i in tl.static_range(BLOCK_M):
+            rmask = cmask & (i < M)
+            xf = tl.load(h_ptr + i * stride_h + offs, mask=rmask, other=0.0, cache_modifier=".cg").to(tl.float32)
+            rstd = 1.0 / tl.sqrt(tl.sum(xf * xf, 0) / N + eps)
+            normed = (xf * rstd).to(X_DTYPE)  # cast back before the weight
+            tl.store(normed_ptr + i * stride_o + offs, (w * normed.to(tl.float32)).to(normed_ptr.dtype.element_ty),
+                     mask=rmask)
+        tl.atomic_xchg(counter, 0, sem="relaxed", scope="gpu")
+
+
+ADD_NORM = envs.gemv_add_norm()
+"""Whether the engine calibrates ``gemv_add_rms_norm`` (o / down projection + residual add +
+RMSNorm in one launch) against the unfused pair and uses it where it wins:
+``TRELLM_GEMV_ADD_NORM`` 1; off (0, the default) until measured in the engine on a GPU."""
 
 PREFETCH_BLOCKS = envs.gemv_prefetch_blocks()
 """Weight blocks (of BLOCK_K columns) a program loads up front, before the PDL wait
@@ -117,28 +157,73 @@ def _blocks(m: int, n: int, k: int) -> tuple[int, int, int, int]:
     return block_m, block_n, block_k, pre_k
 
 
+def _checked(x: torch.Tensor, weight: torch.Tensor, glu: bool) -> torch.Tensor:
+    """x with unit column stride, once x and weight are shapes the kernel takes."""
+    m, kx = x.shape
+    k = weight.shape[1]
+    if m > MAX_ROWS or kx != (2 * k if glu else k) or weight.stride(1) != 1:
+        raise ValueError(f"gemv takes x [<= {MAX_ROWS}, K] (glu: [<= {MAX_ROWS}, 2K]) and a row-major "
+                         f"weight [N, K]; got {tuple(x.shape)} and {tuple(weight.shape)}")
+    return x if x.stride(1) == 1 else x.contiguous()
+
+
 def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
          glu: bool = False) -> torch.Tensor:
     """``F.linear(x, weight, bias)`` for x [M, K] with M <= MAX_ROWS, weight [N, K].
     ``glu``: x is [M, 2K] = [gate | up] and the result is
     ``F.linear(silu_and_mul(x), weight, bias)`` in one launch."""
-    m, kx = x.shape
-    n, k = weight.shape
-    if m > MAX_ROWS or kx != (2 * k if glu else k) or weight.stride(1) != 1:
-        raise ValueError(f"gemv takes x [<= {MAX_ROWS}, K] (glu: [<= {MAX_ROWS}, 2K]) and a row-major "
-                         f"weight [N, K]; got {tuple(x.shape)} and {tuple(weight.shape)}")
-    if x.stride(1) != 1:
-        x = x.contiguous()
+    x = _checked(x, weight, glu)
+    m, (n, k) = x.shape[0], weight.shape
     y = torch.empty(m, n, dtype=x.dtype, device=x.device)
     if m == 0 or n == 0:
         return y
     bm, bn, bk, pre = _blocks(m, n, k)
     _gemv_kernel[(triton.cdiv(n, bn),)](
         x, weight, bias if bias is not None else weight, y, m, n, k,
-        x.stride(0), weight.stride(0), y.stride(0),
+        x.stride(0), weight.stride(0), y.stride(0), y, y, y, y, 0, 0, 0.0,
         BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, HAS_BIAS=bias is not None, GLU=glu, PRE_K=pre, num_warps=4,
         **pdl_kwargs())
     return y
+
+
+NORM_MAX = 16384
+"""Widest hidden size ``gemv_add_rms_norm`` normalizes (one program holds a row)."""
+_COUNTERS: dict[torch.device, torch.Tensor] = {}
+
+
+def _counter(device: torch.device) -> torch.Tensor:
+    """The arrival counter of ``gemv_add_rms_norm`` on this device: one serves every
+    launch, as launches on a stream run one after another (with PDL a kernel waits for
+    its predecessor before it counts in) and the last program leaves it zero."""
+    if device not in _COUNTERS:
+        _COUNTERS[device] = torch.zeros(1, dtype=torch.int32, device=device)
+    return _COUNTERS[device]
+
+
+def gemv_add_rms_norm(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, residual: torch.Tensor,
+                      norm_weight: torch.Tensor, eps: float, glu: bool = False
+                      ) -> tuple[torch.Tensor, torch.Tensor]:
+    """``rmsnorm.fused_add_rms_norm(gemv(x, weight, bias, glu), residual, norm_weight, eps)``
+    in one launch: (the normed new residual, the new residual), the same roundings. Why:
+    a decode step's residual add + RMSNorm is a launch of its own after every o and down
+    projection, ~2 us of a small model's ~4 us per kernel (docs/benchmarks/gpu)."""
+    m, n = x.shape[0], weight.shape[0]
+    if residual.shape != (m, n) or residual.dtype != x.dtype or norm_weight.shape != (n,) or n > NORM_MAX:
+        raise ValueError(f"gemv_add_rms_norm: residual {tuple(residual.shape)}/{residual.dtype} and norm "
+                         f"{tuple(norm_weight.shape)} must match the output [{m}, {n}]/{x.dtype} (n <= {NORM_MAX})")
+    x, k = _checked(x, weight, glu), weight.shape[1]
+    residual = residual if residual.stride(1) == 1 else residual.contiguous()
+    h = torch.empty(m, n, dtype=x.dtype, device=x.device)
+    normed = torch.empty(m, n, dtype=torch.promote_types(x.dtype, norm_weight.dtype), device=x.device)
+    if m == 0 or n == 0:
+        return normed, h
+    bm, bn, bk, pre = _blocks(m, n, k)
+    _gemv_kernel[(triton.cdiv(n, bn),)](
+        x, weight, bias if bias is not None else weight, h, m, n, k, x.stride(0), weight.stride(0), h.stride(0),
+        residual, norm_weight, normed, _counter(x.device), residual.stride(0), normed.stride(0), eps,
+        BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, HAS_BIAS=bias is not None, GLU=glu, PRE_K=pre, ADD_NORM=True,
+        BLOCK_NORM=triton.next_power_of_2(n), num_warps=4, **pdl_kwargs())
+    return normed, h
 
 
 def gemv_ref(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
@@ -165,6 +250,10 @@ class GemvDispatch:
     """Per down-projection (N, K, rows): the fused ``gemv(gate_up, w, glu=True)``."""
     glu_timings_us: dict[tuple[int, int, int], tuple[float, float]] = field(default_factory=dict)
     """(silu_and_mul + the linear ``wants`` picks, fused kernel) microseconds per call."""
+    use_add_norm: dict[tuple[int, int, int, bool], bool] = field(default_factory=dict)
+    """Per (N, K, rows, glu): ``gemv_add_rms_norm`` for the linear + residual add + RMSNorm."""
+    add_norm_timings_us: dict[tuple[int, int, int, bool], tuple[float, float]] = field(default_factory=dict)
+    """(the linear as picked + fused_add_rms_norm, gemv_add_rms_norm) microseconds per call."""
 
     def wants(self, x: torch.Tensor, weight: torch.Tensor) -> bool:
         m = x.shape[0] if x.dim() == 2 else -1
@@ -176,6 +265,13 @@ class GemvDispatch:
         if gate_up.dim() != 2 or gate_up.shape[1] != 2 * weight.shape[1]:
             return False
         return self.use_glu.get((weight.shape[0], weight.shape[1], gate_up.shape[0]), False)
+
+    def wants_add_norm(self, x: torch.Tensor, weight: torch.Tensor, glu: bool = False) -> bool:
+        """Whether ``weight``'s projection of x (glu: of silu_and_mul(x)), the residual add and
+        the next RMSNorm should be one ``gemv_add_rms_norm``; False unless calibration timed it faster."""
+        if x.dim() != 2 or x.shape[1] != (2 if glu else 1) * weight.shape[1]:
+            return False
+        return self.use_add_norm.get((weight.shape[0], weight.shape[1], x.shape[0], glu), False)
 
     def calibrate(self, weights: list[torch.Tensor], rows: tuple[int, ...] = (1, 2, 4, 8),
                   margin: float = 0.95) -> "GemvDispatch":
@@ -232,6 +328,48 @@ class GemvDispatch:
         log.info("SiLU-and-mul fused into the down projection's GEMV for %d of %d (N, K, rows) cases "
                  "(%.1fs): %s", len(picked), len(self.use_glu), time.perf_counter() - t0, picked)
         return self
+
+
+def calibrate_add_norm(d: GemvDispatch, weights: list[tuple[torch.Tensor, bool]],
+                       rows: tuple[int, ...] = (1, 2, 4, 8), margin: float = 0.95) -> GemvDispatch:
+    """For each distinct (shape, glu) of ``weights`` (the o projections, glu False, and the
+    down projections, True): ``gemv_add_rms_norm`` against what runs otherwise (the linear
+    as ``d`` picks it, then the fused_add_rms_norm kernel), both in CUDA graphs, streaming
+    the weight from HBM; the fused one must win by 5%. Run after ``calibrate`` and
+    ``calibrate_glu``."""
+    from trellm.kernels.activation import silu_and_mul
+    from trellm.kernels.rmsnorm import fused_add_rms_norm
+
+    t0 = time.perf_counter()
+    by_shape = {(w.shape[0], w.shape[1], glu): w for w, glu in weights if w.stride(1) == 1 and w.shape[0] <= NORM_MAX}
+    for (n, k, glu), w in sorted(by_shape.items(), key=lambda item: item[0]):
+        ws = l2_copies(w)
+        nw = torch.ones(n, dtype=w.dtype, device=w.device)
+        for m in rows:
+            x = torch.randn(m, 2 * k if glu else k, dtype=w.dtype, device=w.device)
+            res = torch.randn(m, n, dtype=w.dtype, device=w.device)
+            key = (n, k, m, glu)
+
+            def unfused(w):
+                xin = x
+                if glu and d.use_glu.get((n, k, m), False):
+                    return fused_add_rms_norm(gemv(x, w, glu=True), res, nw, 1e-6)
+                if glu:
+                    xin = silu_and_mul(x)
+                y = gemv(xin, w) if d.use_kernel.get((n, k, m), False) else F.linear(xin, w)
+                return fused_add_rms_norm(y, res, nw, 1e-6)
+
+            before = graph_time_us([lambda w=w: unfused(w) for w in ws], iters=30)
+            fused = graph_time_us([lambda w=w: gemv_add_rms_norm(x, w, None, res, nw, 1e-6, glu=glu) for w in ws],
+                                  iters=30)
+            d.add_norm_timings_us[key] = (before, fused)
+            d.use_add_norm[key] = fused < margin * before
+        del ws
+    torch.cuda.empty_cache()
+    picked = sorted(key for key, wins in d.use_add_norm.items() if wins)
+    log.info("residual add + RMSNorm fused into the GEMV for %d of %d (N, K, rows, glu) cases (%.1fs): %s",
+             len(picked), len(d.use_add_norm), time.perf_counter() - t0, picked)
+    return d
 
 
 def l2_copies(w: torch.Tensor, make=torch.randn_like, total_bytes: int = 192 << 20) -> list[torch.Tensor]:

@@ -16,7 +16,7 @@ from typing import Iterable, Iterator
 import torch
 import torch.nn.functional as F
 
-from trellm.kernels.gemv import gemv
+from trellm.kernels.gemv import gemv, gemv_add_rms_norm
 from trellm.layers.int8_head import Int8Head, int8_head_available
 from trellm.layers.linear import Linear, MergedLinear, check_float
 from trellm.layers.norm_rope import RMSNorm, RotaryEmbedding
@@ -52,6 +52,10 @@ class Attention(torch.nn.Module):
         self.rope = rope
 
     def forward(self, x: torch.Tensor, positions: torch.Tensor, ctx) -> torch.Tensor:
+        return self.o_proj.forward(self.attend(x, positions, ctx))
+
+    def attend(self, x: torch.Tensor, positions: torch.Tensor, ctx) -> torch.Tensor:
+        """The attention heads' output [T, heads * head_dim]: o_proj's input."""
         t = x.shape[0]
         qkv = self.qkv_proj.forward(x)
         kv_cache = ctx.kv_caches[self.layer_idx]
@@ -74,13 +78,11 @@ class Attention(torch.nn.Module):
                              "k_norm": (self.k_norm.weight, self.k_norm.eps)}
                 cos, sin = self.rope.tables(q.device)
                 q = ctx.ops.rope_and_write_kv(q, k, v, cos, sin, kv_cache, ctx.meta.slot_mapping, positions, **norms)
-                out = ctx.backend.attend(q, kv_cache, ctx.meta, self.scale)
-                return self.o_proj.forward(out.reshape(t, -1))
+                return ctx.backend.attend(q, kv_cache, ctx.meta, self.scale).reshape(t, -1)
             if self.q_norm is not None:
                 q, k = self.q_norm.forward(q), self.k_norm.forward(k)
             q, k = self.rope.forward(q, k, ctx.cos_sin, ctx.rope_rotation)
-        out = ctx.backend.forward(q, k, v, kv_cache, ctx.meta, self.scale)
-        return self.o_proj.forward(out.reshape(t, -1))
+        return ctx.backend.forward(q, k, v, kv_cache, ctx.meta, self.scale).reshape(t, -1)
 
 
 class MLP(torch.nn.Module):
@@ -92,15 +94,36 @@ class MLP(torch.nn.Module):
 
     def forward(self, x: torch.Tensor, ops=None) -> torch.Tensor:
         if ops is not None:
-            gate_up = self.gate_up_proj.forward(x)
-            # Dense down projections carry the calibrated GEMV dispatch (worker/builder.py);
-            # it picks the GEMV with SiLU-and-mul fused in only where that timed faster.
-            dispatch = getattr(self.down_proj.method, "gemv_dispatch", None)
-            if dispatch is not None and dispatch.wants_glu(gate_up, self.down_proj.weight):
-                return gemv(gate_up, self.down_proj.weight, self.down_proj.bias, glu=True)
-            return self.down_proj.forward(ops.silu_and_mul(gate_up))
+            return glu_linear(self.down_proj, self.gate_up_proj.forward(x), ops)
         gate, up = self.gate_up_proj.split(self.gate_up_proj.forward(x))
         return self.down_proj.forward(F.silu(gate) * up)
+
+    def forward_add_norm(self, x: torch.Tensor, residual: torch.Tensor, norm: RMSNorm, ops
+                         ) -> tuple[torch.Tensor, torch.Tensor]:
+        """GPU kernels: ``ops.fused_add_rms_norm(self.forward(x, ops), residual, ...)``."""
+        return linear_add_norm(self.down_proj, self.gate_up_proj.forward(x), residual, norm, ops, glu=True)
+
+
+def linear_add_norm(linear: Linear, x: torch.Tensor, residual: torch.Tensor, norm: RMSNorm, ops, glu: bool = False
+                    ) -> tuple[torch.Tensor, torch.Tensor]:
+    """(norm(linear(x) + residual), linear(x) + residual); ``glu``: linear of
+    silu_and_mul(x). One launch (gemv_add_rms_norm) where the dense layer's calibrated
+    dispatch picked it, else the linear as the dispatch picks it, then ops.fused_add_rms_norm."""
+    d = getattr(linear.method, "gemv_dispatch", None)
+    if d is not None and d.wants_add_norm(x, linear.weight, glu):
+        return gemv_add_rms_norm(x, linear.weight, linear.bias, residual, norm.weight, norm.eps, glu=glu)
+    y = glu_linear(linear, x, ops) if glu else linear.forward(x)
+    return ops.fused_add_rms_norm(y, residual, norm.weight, norm.eps)
+
+
+def glu_linear(linear: Linear, gate_up: torch.Tensor, ops) -> torch.Tensor:
+    """linear(silu_and_mul(gate_up)) with the GPU kernels. Dense down projections carry the
+    calibrated GEMV dispatch (worker/builder.py); it picks the GEMV with SiLU-and-mul
+    fused in only where that timed faster."""
+    d = getattr(linear.method, "gemv_dispatch", None)
+    if d is not None and d.wants_glu(gate_up, linear.weight):
+        return gemv(gate_up, linear.weight, linear.bias, glu=True)
+    return linear.forward(ops.silu_and_mul(gate_up))
 
 
 class DecoderLayer(torch.nn.Module):
@@ -161,9 +184,10 @@ class LlamaForCausalLM(torch.nn.Module):
         residual, h = x, ops.rms_norm(x, first.weight, first.eps)
         norms = [layer.input_layernorm for layer in self.layers[1:]] + [self.norm]
         for layer, next_norm in zip(self.layers, norms):
-            post = layer.post_attention_layernorm
-            h, residual = ops.fused_add_rms_norm(layer.self_attn.forward(h, positions, ctx), residual, post.weight, post.eps)
-            h, residual = ops.fused_add_rms_norm(layer.mlp.forward(h, ops), residual, next_norm.weight, next_norm.eps)
+            attn = layer.self_attn
+            h, residual = linear_add_norm(attn.o_proj, attn.attend(h, positions, ctx), residual,
+                                          layer.post_attention_layernorm, ops)
+            h, residual = layer.mlp.forward_add_norm(h, residual, next_norm, ops)
         return h
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
