@@ -37,8 +37,8 @@ def triton_interpret() -> bool:
 
 def pdl_mode() -> str:
     """Programmatic dependent launch (kernels/_triton.py; sm_90+ only): ``TRELLM_PDL`` unset
-    (``auto``): on for the kernels checked with it on the GPU (the bf16 decode graph's);
-    ``1``: on for every kernel that takes it (EXL3, int8 too); ``0``: off."""
+    (``auto``): on for the kernels checked with it on the GPU (the bf16 decode graph's, int8's);
+    ``1``: on for every kernel that takes it (EXL3 too); ``0``: off."""
     raw = os.environ.get("TRELLM_PDL", "").strip().lower()
     for mode, words in (("auto", ("", "auto")), ("off", ("0", "off", "false", "no")),
                         ("all", ("1", "on", "true", "yes", "all"))):

@@ -29,10 +29,12 @@ DECODE_KERNELS = [
 
 
 GPU_CHECKED = {"_rms_norm_kernel", "_rope_kv_kernel", "_silu_and_mul_kernel", "_gemv_kernel",
-               "_decode_split_kernel", "_decode_reduce_kernel"}
+               "_decode_split_kernel", "_decode_reduce_kernel", "_dot_kernel", "_fma_kernel", "_reduce_kernel"}
 """The bf16 decode graph's kernels: scripts/gpu_bench.py's engine checks (transformers,
 batch / chunk / prefix invariance) passed with PDL on (H100, 2026-12-07), so they take it by
-default; the others only with TRELLM_PDL=1 until a GPU run checks them."""
+default; int8's too (its GPU kernel tests with TRELLM_PDL=1, and the engine's greedy tokens
+equal with PDL on and off, H100, 2026-12-07); the EXL3 kernels only with TRELLM_PDL=1
+until their GPU kernel tests run with it."""
 
 READ_BEFORE_WAIT = {"_gemv_kernel"}
 """Kernels that load their (read-only) weight before the wait."""

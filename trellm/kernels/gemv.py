@@ -78,8 +78,9 @@ def _gemv_kernel(x_ptr, w_ptr, b_ptr, y_ptr, M, N, K, stride_xm, stride_wn, stri
     pdl_begin(PDL)
     y = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     if PRE_K > 0:
-        x = _load_x(x_ptr, offs_m, offs_p, m_mask, offs_p < K, stride_xm, K, GLU)
-        y += tl.sum(x.to(tl.float32)[:, None, :] * w_pre.to(tl.float32)[None, :, :], axis=2)
+        # Its own name: Triton types a name once per loop, and the loop below reuses x.
+        x_pre = _load_x(x_ptr, offs_m, offs_p, m_mask, offs_p < K, stride_xm, K, GLU)
+        y += tl.sum(x_pre.to(tl.float32)[:, None, :] * w_pre.to(tl.float32)[None, :, :], axis=2)
     acc = tl.zeros((BLOCK_M, BLOCK_N, BLOCK_K), dtype=tl.float32)
     for k0 in range(PRE_K, K, BLOCK_K):
         offs_k = k0 + tl.arange(0, BLOCK_K)

@@ -310,10 +310,10 @@ def int8_linear_triton(x2: torch.Tensor, q: torch.Tensor, scale: torch.Tensor, b
         x2.stride(0), q.stride(0), out.stride(0), BM=cfg.block_m, BN=cfg.block_n, BK=cfg.block_k,
         EVEN_K=kd % (per * cfg.block_k) == 0, HAS_BIAS=bias is not None, SPLIT=split, SEM=sem,
         PRECISION=_precision(x2.dtype), SWAP=cfg.swap, num_warps=cfg.warps, num_stages=cfg.stages,
-        **pdl_kwargs(gpu_checked=False))
+        **pdl_kwargs())  # PDL by default: GPU-checked (docs/benchmarks/gpu/README.md, 2026-12-07 (fourth))
     if split and not sem:
         _reduce_kernel[(m, triton.cdiv(n, 256))](part, scale, bias_arg, out, m, n, splits, out.stride(0),
-                                                BN=256, HAS_BIAS=bias is not None, num_warps=4, **pdl_kwargs(gpu_checked=False))
+                                                BN=256, HAS_BIAS=bias is not None, num_warps=4, **pdl_kwargs())
     return out
 
 
