@@ -67,6 +67,12 @@ def gemv_add_norm() -> bool:
     return raw == "1"
 
 
+def record_launches_path() -> str | None:
+    """Tests under Triton's interpreter: the file every kernel launch is recorded in, for
+    scripts/compile_check.py (``TRELLM_RECORD_LAUNCHES``); unset: none."""
+    return os.environ.get("TRELLM_RECORD_LAUNCHES") or None
+
+
 def pdl_trigger() -> str:
     """When a PDL kernel lets its successor launch (kernels/_triton.py): ``TRELLM_PDL_TRIGGER``
     ``late`` (the default: after its wait) or ``early`` (before it)."""

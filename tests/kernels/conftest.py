@@ -37,3 +37,7 @@ if INTERPRET and triton_importable():
 
     patch_interpreter_bf16()
     patch_interpreter_overflow_checks()
+    if envs.record_launches_path():  # for scripts/compile_check.py (kernels/compile_check.py)
+        from trellm.kernels.compile_check import record_launches
+
+        record_launches(envs.record_launches_path())

@@ -242,3 +242,34 @@ def test_prefetch_head_is_a_power_of_two_within_the_register_budget(blocks, monk
         bm, bn, bk, pre = g._blocks(rows, n, k)
         assert pre > 0 and pre & (pre - 1) == 0
         assert pre <= 4 * bk and pre <= triton.next_power_of_2(k)
+
+
+_COMPILE_SCRIPT = """
+import torch
+from trellm.kernels import gemv as g
+from trellm.kernels.compile_check import compile_launch, describe
+
+x, w, y = torch.empty(1, 512, dtype=torch.bfloat16), torch.empty(64, 512, dtype=torch.bfloat16), torch.empty(1, 64)
+c = torch.zeros(1, dtype=torch.int32)
+for pre, glu, add_norm in ((0, False, False), (256, False, False), (128, True, True)):
+    args = (x, w, w, y, 1, 64, 512, 512, 512, 64, y, w, y, c, 64, 64, 1e-5)
+    consts = dict(BLOCK_M=1, BLOCK_N=16, BLOCK_K=128, HAS_BIAS=False, GLU=glu, PRE_K=pre, ADD_NORM=add_norm,
+                  BLOCK_NORM=64, PDL=True, num_warps=4)
+    err = compile_launch(describe(g._gemv_kernel.fn, args, consts).key())
+    assert err is None, (pre, glu, add_norm, err)
+print("compiled")
+"""
+
+
+def test_gemv_compiles_for_sm90():
+    """The GEMV's modes (prefetched head, GLU, add + norm, PDL) through Triton's compiler for
+    sm_90, in a process without the interpreter: what the interpreter does not check (a
+    loop-carried name retyped made the prefetch fail to compile on the GPU only)."""
+    import os
+    import subprocess
+    import sys
+
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    out = subprocess.run([sys.executable, "-c", _COMPILE_SCRIPT], env=env, capture_output=True, text=True,
+                         timeout=600)
+    assert out.returncode == 0 and "compiled" in out.stdout, out.stderr[-2000:]

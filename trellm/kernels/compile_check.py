@@ -1,0 +1,116 @@
+"""Compile the Triton kernels for the GPU on a machine without one.
+
+Why: Triton's interpreter (how the kernel tests run on the CPU) executes a kernel's
+Python, not its compiled form, so some errors only the compiler sees pass there: a
+loop-carried name retyped inside the loop (the GEMV's prefetch did not compile for
+sm_90 while its interpreter tests passed; docs/benchmarks/gpu/README.md, 2026-12-07
+fourth session), a constexpr used as a value, an unsupported cast. The compiler itself
+needs no GPU: Triton's wheel brings ptxas.
+
+Two steps, so the launches compiled are exactly those the tests make:
+
+1. ``record_launches(path)`` (tests/kernels/conftest.py, ``TRELLM_RECORD_LAUNCHES=path``
+   with ``TRITON_INTERPRET=1``): every interpreted launch appends its kernel, argument
+   types, constexpr values and launch options to ``path`` (JSON lines).
+2. ``scripts/compile_check.py path`` (no interpreter): each distinct launch compiled for
+   ``GPUTarget("cuda", 90, 32)``, the H100 / H200; the failures listed.
+"""
+from __future__ import annotations
+
+import inspect
+import json
+from dataclasses import dataclass
+
+import torch
+
+_DTYPES = {torch.float32: "fp32", torch.float16: "fp16", torch.bfloat16: "bf16", torch.float64: "fp64",
+           torch.int8: "i8", torch.uint8: "u8", torch.int16: "i16", torch.int32: "i32", torch.int64: "i64",
+           torch.bool: "i1"}
+OPTIONS = ("num_warps", "num_stages", "launch_pdl")
+"""Launch keywords that are compile options, not kernel arguments."""
+
+
+@dataclass(frozen=True)
+class Launch:
+    """One kernel launch as the compiler needs it: no values, only their types (and the
+    constexprs' values)."""
+
+    module: str
+    kernel: str
+    signature: tuple[tuple[str, str], ...]
+    """(parameter, Triton type: "*bf16", "i32", "fp32", ... or "constexpr")."""
+    constexprs: tuple[tuple[str, object], ...]
+    options: tuple[tuple[str, object], ...]
+
+    def key(self) -> str:
+        return json.dumps([self.module, self.kernel, self.signature, self.constexprs, self.options])
+
+
+def _arg_type(value) -> str | None:
+    """The Triton type of a runtime argument; None: passed as a constexpr (None values)."""
+    if isinstance(value, torch.Tensor):
+        return "*" + _DTYPES[value.dtype]
+    if isinstance(value, bool):
+        return "i1"
+    if isinstance(value, int):
+        return "i32" if -2**31 <= value < 2**31 else "i64"
+    if isinstance(value, float):
+        return "fp32"
+    if value is None:
+        return None
+    raise TypeError(f"no Triton type for a {type(value).__name__} argument")
+
+
+def describe(fn, args: tuple, kwargs: dict) -> Launch:
+    """The Launch of ``fn`` (the kernel's Python function) called with args / kwargs."""
+    params = list(inspect.signature(fn).parameters.values())
+    sig, consts = [], []
+    for i, p in enumerate(params):
+        value = args[i] if i < len(args) else kwargs.get(p.name, p.default)
+        if value is inspect.Parameter.empty:
+            raise TypeError(f"{fn.__name__}: no value for {p.name}")
+        kind = None if "constexpr" in str(p.annotation) else _arg_type(value)
+        sig.append((p.name, kind or "constexpr"))
+        if kind is None:
+            consts.append((p.name, value))
+    opts = tuple(sorted((k, v) for k, v in kwargs.items() if k in OPTIONS))
+    return Launch(fn.__module__, fn.__name__, tuple(sig), tuple(consts), opts)
+
+
+def record_launches(path: str) -> None:
+    """Append every interpreted launch's ``describe`` to ``path`` (JSON lines)."""
+    from triton.runtime import interpreter
+
+    cls = interpreter.InterpretedFunction
+    if getattr(cls.run, "_trellm_recording", False):
+        return
+    run = cls.run
+
+    def recording_run(self, *args, grid, warmup, **kwargs):
+        with open(path, "a") as f:
+            f.write(describe(self.fn, args, kwargs).key() + "\n")
+        return run(self, *args, grid=grid, warmup=warmup, **kwargs)
+
+    recording_run._trellm_recording = True
+    cls.run = recording_run
+
+
+def compile_launch(key: str, capability: int = 90) -> str | None:
+    """Compile one recorded launch (``Launch.key``) for CUDA ``capability``; None when it
+    compiles, else the error's last lines. Needs Triton without the interpreter."""
+    import importlib
+
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    module, kernel, signature, constexprs, options = json.loads(key)
+    fn = getattr(importlib.import_module(module), kernel)
+    names = [name for name, _ in signature]
+    src = ASTSource(fn=fn, signature=dict(signature),
+                    constexprs={(names.index(name),): value for name, value in constexprs})
+    try:
+        triton.compile(src, target=GPUTarget("cuda", capability, 32), options=dict(options))
+    except Exception as e:  # every compiler error is a finding, whatever its class
+        return "\n".join(str(e).strip().splitlines()[-6:])
+    return None
