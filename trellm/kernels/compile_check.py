@@ -95,9 +95,7 @@ def record_launches(path: str) -> None:
     cls.run = recording_run
 
 
-def compile_launch(key: str, capability: int = 90) -> str | None:
-    """Compile one recorded launch (``Launch.key``) for CUDA ``capability``; None when it
-    compiles, else the error's last lines. Needs Triton without the interpreter."""
+def _compile(key: str, capability: int):
     import importlib
 
     import triton
@@ -109,8 +107,53 @@ def compile_launch(key: str, capability: int = 90) -> str | None:
     names = [name for name, _ in signature]
     src = ASTSource(fn=fn, signature=dict(signature),
                     constexprs={(names.index(name),): value for name, value in constexprs})
+    return triton.compile(src, target=GPUTarget("cuda", capability, 32), options=dict(options))
+
+
+def compile_launch(key: str, capability: int = 90) -> str | None:
+    """Compile one recorded launch (``Launch.key``) for CUDA ``capability``; None when it
+    compiles, else the error's last lines. Needs Triton without the interpreter."""
     try:
-        triton.compile(src, target=GPUTarget("cuda", capability, 32), options=dict(options))
+        _compile(key, capability)
     except Exception as e:  # every compiler error is a finding, whatever its class
         return "\n".join(str(e).strip().splitlines()[-6:])
     return None
+
+
+def sass_of(key: str, capability: int = 90) -> list[tuple[str, str]]:
+    """The recorded launch's SASS as (label or "", instruction) rows, labels on their own
+    rows (Triton's disassembler: control codes, a tab, the instruction; "LBB3:" labels)."""
+    from triton.tools.disasm import get_sass
+
+    rows = []
+    for line in get_sass(_compile(key, capability).asm["cubin"]).splitlines():
+        line = line.strip()
+        if line.endswith(":") and "\t" not in line and " " not in line:
+            rows.append((line[:-1], ""))
+        elif "\t" in line:
+            rows.append(("", line.split("\t", 1)[1].strip().rstrip(";").strip()))
+    return rows
+
+
+def opcode(text: str) -> str:
+    """An instruction's opcode without its predicate and modifiers: "@P0 IMAD.WIDE ..." -> "IMAD"."""
+    words = text.split()
+    return (words[1] if words[0].startswith("@") and len(words) > 1 else words[0]).split(".")[0]
+
+
+def loops(rows: list[tuple[str, str]]) -> list[tuple[int, int]]:
+    """Back-edges of ``sass_of`` rows: (first, last) instruction indices of each loop body
+    (a branch to a label above it), innermost first by size."""
+    instrs, where = [], {}
+    for label, text in rows:
+        if label:
+            where[label] = len(instrs)
+        else:
+            instrs.append(text)
+    found = []
+    for i, text in enumerate(instrs):
+        if opcode(text) == "BRA":
+            target = text.split()[-1]
+            if target in where and where[target] <= i:
+                found.append((where[target], i))
+    return sorted(found, key=lambda span: span[1] - span[0])
