@@ -35,3 +35,13 @@ def test_describe_names_what_it_cannot_type():
         describe(_kernel, (None, None, 1, 1, 1.0, False), {})
     with pytest.raises(TypeError, match="no Triton type"):
         describe(_kernel, ("text", None, 1, 1, 1.0, False), {"BLOCK": 1})
+
+
+def test_loops_finds_back_edges_and_opcodes_drop_predicates_and_modifiers():
+    from trellm.kernels.compile_check import loops, opcode
+
+    rows = [("", "S2R R0, SR_TID.X"), ("LBB0", ""), ("", "IMAD.WIDE R2, R0, 0x4, R4"), ("LBB1", ""),
+            ("", "LDG.E R6, desc[UR4][R2.64]"), ("", "@P0 BRA LBB1"), ("", "@!P1 BRA LBB0"), ("", "BRA LBB2"),
+            ("LBB2", ""), ("", "EXIT")]
+    assert loops(rows) == [(2, 3), (1, 4)]  # LBB1's body (LDG, BRA), then LBB0's around it; LBB2 is forward
+    assert [opcode(t) for _, t in rows if t][:4] == ["S2R", "IMAD", "LDG", "BRA"]
