@@ -4,7 +4,7 @@ machine without a GPU: errors that Triton's interpreter does not see
 (trellm/kernels/compile_check.py says why).
 
     TRITON_INTERPRET=1 TRELLM_RECORD_LAUNCHES=/tmp/launches.jsonl python -m pytest tests/kernels
-    python scripts/compile_check.py /tmp/launches.jsonl [--jobs 2] [--only gemv]
+    python scripts/compile_check.py /tmp/launches.jsonl [--jobs 2] [--only gemv] [--set PTX=true]
 
 Run the second step without TRITON_INTERPRET. Prints one line per distinct launch that
 fails and a summary; exit status 1 if any failed.
@@ -12,11 +12,17 @@ fails and a summary; exit status 1 if any failed.
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import sys
 from concurrent.futures import ProcessPoolExecutor
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+
+def _with(key: str, override: dict) -> str:
+    module, kernel, signature, constexprs, options = json.loads(key)
+    return json.dumps([module, kernel, signature, [[k, override.get(k, v)] for k, v in constexprs], options])
 
 
 def main() -> int:
@@ -25,6 +31,9 @@ def main() -> int:
     ap.add_argument("--jobs", type=int, default=os.cpu_count() or 1)
     ap.add_argument("--only", default="", help="only launches whose module or kernel name contains this")
     ap.add_argument("--capability", type=int, default=90)
+    ap.add_argument("--set", action="append", default=[],
+                    help="NAME=VALUE (JSON): compile with this constexpr wherever the kernel has it; e.g. PTX=true, "
+                         "exl3_mma's GPU path, which the interpreter records as false")
     a = ap.parse_args()
     if os.environ.get("TRITON_INTERPRET") == "1":
         ap.error("unset TRITON_INTERPRET: this step runs the compiler")
@@ -32,8 +41,9 @@ def main() -> int:
 
     from trellm.kernels.compile_check import compile_launch
 
+    override = {k: json.loads(v) for k, v in (item.split("=", 1) for item in a.set)}
     with open(a.launches) as f:
-        keys = sorted({line.strip() for line in f if line.strip() and a.only in line})
+        keys = sorted({_with(line.strip(), override) for line in f if line.strip() and a.only in line})
     failed = 0
     with ProcessPoolExecutor(a.jobs) as pool:
         results = pool.map(compile_launch, keys, [a.capability] * len(keys))

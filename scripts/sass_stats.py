@@ -26,7 +26,8 @@ def main() -> None:
     ap.add_argument("--only", default="", help="kernel name (substring)")
     ap.add_argument("--where", action="append", default=[], help="NAME=VALUE a constexpr must have (JSON value)")
     ap.add_argument("--set", action="append", default=[],
-                    help="NAME=VALUE: compile with this constexpr instead (e.g. PTX=true: the interpreter records PTX=false)")
+                    help="NAME=VALUE: compile with this constexpr or launch option (num_warps) instead (e.g. PTX=true: "
+                         "the interpreter records PTX=false)")
     ap.add_argument("--limit", type=int, default=4)
     ap.add_argument("--capability", type=int, default=90)
     a = ap.parse_args()
@@ -41,6 +42,7 @@ def main() -> None:
         module, kernel, _, consts, opts = json.loads(line)
         if a.only in kernel and all(dict(consts).get(k) == v for k, v in want.items()):
             consts = [[k, override.get(k, v)] for k, v in consts]
+            opts = [[k, override.get(k, v)] for k, v in opts]
             keys.append(json.dumps([module, kernel, _, consts, opts]))
     keys = sorted(set(keys))
     print(f"{len(keys)} distinct launches match; showing {min(len(keys), a.limit)}")
