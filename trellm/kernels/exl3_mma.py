@@ -221,11 +221,22 @@ def _k_loop(pa, pb, tno, sh, xrow, m, M, w, TI, TJS, stride_xm, lo, per_split, z
     zs = tl.zeros((32, WARPS, 1), tl.float32)
     acc = (z, z, z, z, z, z, z, z, z, z, z, z, z, z, z, z)
     xs = (zs, zs, zs, zs, zs, zs, zs, zs)
+    # The step's word and x pointers advance by a constant stride (carried, one 64-bit add
+    # each a step) instead of being recomputed from the step index: the 64-bit multiplies
+    # were ~13% of the loop's instructions (scripts/sass_stats.py, sm_90).
+    row_words = TJS.to(tl.int64) * (8 * K)
+    pa_s = pa + lo.to(tl.int64) * (TK * row_words)
+    pb_s = pb + lo.to(tl.int64) * (TK * row_words)
+    xp_s = xrow + 8 * (w + lo * TK)
     for step in range(lo, tl.minimum(lo + per_split, tl.cdiv(TI, TK))):
         for i in tl.static_range(TK // WARPS):
-            ld = _pf_load(pa, pb, tno, xrow, m, M, w, TI, TJS, stride_xm, step, i, zero, K, TK, WARPS, ROWS16, MB,
-                          EVEN_K)
+            so = (i * WARPS) * row_words
+            ld = _slice_load(pa_s + so, pb_s + so, tno, xp_s + 8 * i * WARPS, step * TK + i * WARPS + w, m, M, TI,
+                             stride_xm, zero, ROWS16, MB, EVEN_K)
             acc, xs = _pf_mma(ld, acc, xs, sh, ones, K, CB, TN, WARPS, MB, ASM, AFF, PTX)
+        pa_s += TK * row_words
+        pb_s += TK * row_words
+        xp_s += 8 * TK
     return acc, xs
 
 
@@ -278,19 +289,27 @@ def _pf_load(pa, pb, tno, xrow, m, M, w, TI, TJS, stride_xm, step, i: tl.constex
     tr = step * TK + i * WARPS  # first tile row of this slice
     so = tr.to(tl.int64) * TJS * (8 * K)
     tk = tr + w  # [1, WARPS, 1]
+    return _slice_load(pa + so, pb + so, tno, xrow + 8 * tk, tk, m, M, TI, stride_xm, zero, ROWS16, MB, EVEN_K)
+
+
+@triton.jit
+def _slice_load(pa_r, pb_r, tno, xp, tk, m, M, TI, stride_xm, zero, ROWS16: tl.constexpr, MB: tl.constexpr,
+                EVEN_K: tl.constexpr):
+    """_pf_load's loads once its pointers are placed: the word pair at pa_r / pb_r (+ tno, per
+    tile column), the A fragments at xp (x row g's word of tile row tk); tk masks the rows
+    past the weight's unless EVEN_K."""
     if EVEN_K:
-        a = tl.load((pa + so) + tno)
-        b = tl.load((pb + so) + tno)
+        a = tl.load(pa_r + tno)
+        b = tl.load(pb_r + tno)
         xm0 = m < M
     else:
-        a = tl.load((pa + so) + tno, mask=tk < TI, other=0)
-        b = tl.load((pb + so) + tno, mask=tk < TI, other=0)
+        a = tl.load(pa_r + tno, mask=tk < TI, other=0)
+        b = tl.load(pb_r + tno, mask=tk < TI, other=0)
         xm0 = (m < M) & (tk < TI)
-    a0, a1, a2, a3 = _a_frags(xrow + 8 * tk, xm0, m, M, stride_xm, ROWS16, zero)
+    a0, a1, a2, a3 = _a_frags(xp, xm0, m, M, stride_xm, ROWS16, zero)
     c0, c1, c2, c3 = zero, zero, zero, zero
     if MB == 2:  # rows 16-31
-        c0, c1, c2, c3 = _a_frags(xrow + 16 * stride_xm + 8 * tk, xm0 & (m + 16 < M), m + 16, M, stride_xm,
-                                  True, zero)
+        c0, c1, c2, c3 = _a_frags(xp + 16 * stride_xm, xm0 & (m + 16 < M), m + 16, M, stride_xm, True, zero)
     return a, b, a0, a1, a2, a3, c0, c1, c2, c3
 
 
