@@ -2,11 +2,8 @@
 and the dispatch rules."""
 from __future__ import annotations
 
-from types import SimpleNamespace
-
 import pytest
 import torch
-import torch.nn.functional as F
 
 from trellm.kernels import testing as kt
 from trellm.kernels.activation import silu_and_mul, silu_and_mul_ref
@@ -76,47 +73,8 @@ def test_dispatch_glu_only_where_calibration_picked_it():
     assert not GemvDispatch().wants_glu(torch.zeros(1, 64), w)
 
 
-class _RecordingOps:
-    """FusedOps stand-in: the MLP's fused branch only calls silu_and_mul."""
-
-    def __init__(self):
-        self.calls = 0
-
-    def silu_and_mul(self, x):
-        self.calls += 1
-        return silu_and_mul_ref(x)
-
-    def fused_add_rms_norm(self, x, residual, weight, eps):
-        from trellm.kernels.rmsnorm import fused_add_rms_norm_ref
-
-        self.calls += 1
-        return fused_add_rms_norm_ref(x, residual, weight, eps)
-
-
-def _mlp(hidden: int = 32, inter: int = 48):
-    from trellm.model.llama import MLP
-
-    torch.manual_seed(0)
-    mlp = MLP(SimpleNamespace(hidden_size=hidden, intermediate_size=inter, quantization_config=None), torch.float32)
-    for p in mlp.parameters():
-        p.data.copy_(torch.randn_like(p) / p.shape[-1] ** 0.5)
-    return mlp
-
-
-def test_mlp_falls_back_to_silu_and_mul_without_a_glu_choice():
-    """CPU: with no dispatch, or one whose calibration did not pick the fused GEMV for
-    this (shape, rows), the MLP's fused-ops branch runs ops.silu_and_mul + down_proj."""
-    mlp, ops, x = _mlp(), _RecordingOps(), torch.randn(2, 32)
-    gate, up = mlp.gate_up_proj.split(mlp.gate_up_proj(x))
-    want = mlp.down_proj(F.silu(gate) * up)
-    torch.testing.assert_close(mlp(x, ops), want)
-    mlp.down_proj.method.gemv_dispatch = GemvDispatch(use_glu={(32, 48, 1): True})  # other rows only
-    torch.testing.assert_close(mlp(x, ops), want)
-    assert ops.calls == 2
-
-
-def test_mlp_takes_the_fused_gemv_where_picked(device):
-    mlp, ops, x = _mlp().to(device), _RecordingOps(), torch.randn(2, 32).to(device)
+def test_mlp_takes_the_fused_gemv_where_picked(small_mlp, recording_ops, device):
+    mlp, ops, x = small_mlp.to(device), recording_ops, torch.randn(2, 32).to(device)
     want = mlp(x, ops)
     mlp.down_proj.method.gemv_dispatch = GemvDispatch(use_glu={(32, 48, 2): True})
     torch.testing.assert_close(mlp(x, ops), want, atol=1e-5, rtol=1e-5)
@@ -124,12 +82,12 @@ def test_mlp_takes_the_fused_gemv_where_picked(device):
 
 
 @pytest.mark.parametrize("glu", [False, True])
-def test_linear_add_norm_takes_the_fused_gemv_where_picked(glu, device):
+def test_linear_add_norm_takes_the_fused_gemv_where_picked(glu, small_mlp, recording_ops, device):
     """With the dispatch's pick: one gemv_add_rms_norm launch, no ops call, the values of
     the unfused path (new residual exactly, normed within float32 rounding)."""
     from trellm.model.llama import RMSNorm, linear_add_norm
 
-    mlp, ops = _mlp().to(device), _RecordingOps()
+    mlp, ops = small_mlp.to(device), recording_ops
     x = torch.randn(2, 96 if glu else 48).to(device)
     norm, res = RMSNorm(32, 1e-5, torch.float32).to(device), torch.randn(2, 32).to(device)
     want = linear_add_norm(mlp.down_proj, x, res, norm, ops, glu=glu)
