@@ -174,17 +174,26 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
     ``glu``: x is [M, 2K] = [gate | up] and the result is
     ``F.linear(silu_and_mul(x), weight, bias)`` in one launch."""
     x = _checked(x, weight, glu)
+    y = torch.empty(x.shape[0], weight.shape[0], dtype=x.dtype, device=x.device)
+    _launch(x, weight, bias, y, glu)
+    return y
+
+
+def _launch(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, y: torch.Tensor, glu: bool,
+            add_norm: tuple | None = None) -> None:
+    """_gemv_kernel into y; ``add_norm``: (residual, norm weight, normed out, eps), its
+    ADD_NORM mode (y is then the new residual)."""
     m, (n, k) = x.shape[0], weight.shape
-    y = torch.empty(m, n, dtype=x.dtype, device=x.device)
     if m == 0 or n == 0:
-        return y
+        return
+    res, nw, normed, eps = add_norm if add_norm is not None else (y, y, y, 0.0)
     bm, bn, bk, pre = _blocks(m, n, k)
     _gemv_kernel[(triton.cdiv(n, bn),)](
-        x, weight, bias if bias is not None else weight, y, m, n, k,
-        x.stride(0), weight.stride(0), y.stride(0), y, y, y, y, 0, 0, 0.0,
-        BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, HAS_BIAS=bias is not None, GLU=glu, PRE_K=pre, num_warps=4,
-        **pdl_kwargs())
-    return y
+        x, weight, bias if bias is not None else weight, y, m, n, k, x.stride(0), weight.stride(0), y.stride(0),
+        res, nw, normed, _counter(x.device) if add_norm is not None else y, res.stride(0), normed.stride(0), eps,
+        BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, HAS_BIAS=bias is not None, GLU=glu, PRE_K=pre,
+        ADD_NORM=add_norm is not None, BLOCK_NORM=triton.next_power_of_2(n) if add_norm is not None else 16,
+        num_warps=4, **pdl_kwargs())
 
 
 NORM_MAX = 16384
@@ -212,18 +221,11 @@ def gemv_add_rms_norm(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor 
     if residual.shape != (m, n) or residual.dtype != x.dtype or norm_weight.shape != (n,) or n > NORM_MAX:
         raise ValueError(f"gemv_add_rms_norm: residual {tuple(residual.shape)}/{residual.dtype} and norm "
                          f"{tuple(norm_weight.shape)} must match the output [{m}, {n}]/{x.dtype} (n <= {NORM_MAX})")
-    x, k = _checked(x, weight, glu), weight.shape[1]
+    x = _checked(x, weight, glu)
     residual = residual if residual.stride(1) == 1 else residual.contiguous()
     h = torch.empty(m, n, dtype=x.dtype, device=x.device)
     normed = torch.empty(m, n, dtype=torch.promote_types(x.dtype, norm_weight.dtype), device=x.device)
-    if m == 0 or n == 0:
-        return normed, h
-    bm, bn, bk, pre = _blocks(m, n, k)
-    _gemv_kernel[(triton.cdiv(n, bn),)](
-        x, weight, bias if bias is not None else weight, h, m, n, k, x.stride(0), weight.stride(0), h.stride(0),
-        residual, norm_weight, normed, _counter(x.device), residual.stride(0), normed.stride(0), eps,
-        BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, HAS_BIAS=bias is not None, GLU=glu, PRE_K=pre, ADD_NORM=True,
-        BLOCK_NORM=triton.next_power_of_2(n), num_warps=4, **pdl_kwargs())
+    _launch(x, weight, bias, h, glu, (residual, norm_weight, normed, eps))
     return normed, h
 
 
