@@ -20,11 +20,6 @@ from concurrent.futures import ProcessPoolExecutor
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
-def _with(key: str, override: dict) -> str:
-    module, kernel, signature, constexprs, options = json.loads(key)
-    return json.dumps([module, kernel, signature, [[k, override.get(k, v)] for k, v in constexprs], options])
-
-
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("launches", help="the JSON-lines file the tests recorded")
@@ -32,18 +27,18 @@ def main() -> int:
     ap.add_argument("--only", default="", help="only launches whose module or kernel name contains this")
     ap.add_argument("--capability", type=int, default=90)
     ap.add_argument("--set", action="append", default=[],
-                    help="NAME=VALUE (JSON): compile with this constexpr wherever the kernel has it; e.g. PTX=true, "
+                    help="NAME=VALUE (JSON): compile with this constexpr or launch option wherever the kernel has it; e.g. PTX=true, "
                          "exl3_mma's GPU path, which the interpreter records as false")
     a = ap.parse_args()
     if os.environ.get("TRITON_INTERPRET") == "1":
         ap.error("unset TRITON_INTERPRET: this step runs the compiler")
     from tqdm import tqdm
 
-    from trellm.kernels.compile_check import compile_launch
+    from trellm.kernels.compile_check import compile_launch, with_overrides
 
     override = {k: json.loads(v) for k, v in (item.split("=", 1) for item in a.set)}
     with open(a.launches) as f:
-        keys = sorted({_with(line.strip(), override) for line in f if line.strip() and a.only in line})
+        keys = sorted({with_overrides(line.strip(), override) for line in f if line.strip() and a.only in line})
     failed = 0
     with ProcessPoolExecutor(a.jobs) as pool:
         results = pool.map(compile_launch, keys, [a.capability] * len(keys))

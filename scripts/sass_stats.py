@@ -31,7 +31,7 @@ def main() -> None:
     ap.add_argument("--limit", type=int, default=4)
     ap.add_argument("--capability", type=int, default=90)
     a = ap.parse_args()
-    from trellm.kernels.compile_check import loops, opcode, sass_of
+    from trellm.kernels.compile_check import loops, opcode, sass_of, with_overrides
 
     want = {k: json.loads(v) for k, v in (w.split("=", 1) for w in a.where)}
     override = {k: json.loads(v) for k, v in (w.split("=", 1) for w in a.set)}
@@ -39,11 +39,9 @@ def main() -> None:
     for line in sorted(set(open(a.launches).read().split("\n"))):
         if not line.strip():
             continue
-        module, kernel, _, consts, opts = json.loads(line)
+        _, kernel, _, consts, _ = json.loads(line)
         if a.only in kernel and all(dict(consts).get(k) == v for k, v in want.items()):
-            consts = [[k, override.get(k, v)] for k, v in consts]
-            opts = [[k, override.get(k, v)] for k, v in opts]
-            keys.append(json.dumps([module, kernel, _, consts, opts]))
+            keys.append(with_overrides(line, override))
     keys = sorted(set(keys))
     print(f"{len(keys)} distinct launches match; showing {min(len(keys), a.limit)}")
     for key in keys[:a.limit]:

@@ -45,3 +45,13 @@ def test_loops_finds_back_edges_and_opcodes_drop_predicates_and_modifiers():
             ("LBB2", ""), ("", "EXIT")]
     assert loops(rows) == [(2, 3), (1, 4)]  # LBB1's body (LDG, BRA), then LBB0's around it; LBB2 is forward
     assert [opcode(t) for _, t in rows if t][:4] == ["S2R", "IMAD", "LDG", "BRA"]
+
+
+def test_with_overrides_sets_constexprs_and_options_the_kernel_has():
+    from trellm.kernels.compile_check import with_overrides
+
+    key = describe(_kernel, (None, None, 1, 1, 1.0, False), {"BLOCK": 8, "num_warps": 2}).key()
+    _, _, sig, consts, opts = json.loads(with_overrides(key, {"MODE": 5, "num_warps": 4, "ABSENT": 1}))
+    assert consts == [["x_ptr", None], ["counter_ptr", None], ["BLOCK", 8], ["MODE", 5], ["OPT", None]]
+    assert opts == [["num_warps", 4]]
+    assert sig == json.loads(key)[2]

@@ -95,6 +95,14 @@ def record_launches(path: str) -> None:
     cls.run = recording_run
 
 
+def with_overrides(key: str, override: dict) -> str:
+    """A recorded launch (``Launch.key``) with some constexprs or launch options set
+    otherwise (e.g. exl3_mma's PTX, which the interpreter records as False)."""
+    module, kernel, signature, constexprs, options = json.loads(key)
+    return json.dumps([module, kernel, signature, [[k, override.get(k, v)] for k, v in constexprs],
+                       [[k, override.get(k, v)] for k, v in options]])
+
+
 def _compile(key: str, capability: int):
     import importlib
 
