@@ -25,11 +25,15 @@
 #   q: the linears sweep alone (~1.5 min).
 #   r: the EXL3 engine at 4.0 bpw and int8 with PDL on (TRELLM_PDL=1: the EXL3 and int8
 #      kernels too), late and early trigger, then with PDL off.
+#   y: EXL3 diagnostics (~9 min): the 8B decode graph at 4.0 bpw profiled kernel by kernel
+#      (scripts/gpu_overhead.py --profile), the layer sweep with the pointer-carrying K loop,
+#      the EXL3 kernel tests with PDL on, the engine at 4.0 bpw with PDL on and off.
+#   z: l on an H200, y on any other card (a call that may get either).
 #   m: the early PDL trigger and the GEMV weight prefetch: a token's linears in one graph
 #      (scripts/gpu_gemv_layers.py), then scripts/gpu_pdl_ab.py (whole-engine A/B, Qwen3-0.6B
 #      and 8B single stream), then the GEMV kernel tests; writes the best env-settable
 #      variant to /tmp/trellm-pick.env (stage l's engine checks then run under it).
-# Usage: OUT=... [PICK=1] scripts/gpu_next.sh a|b|c|d|e|f|g|h|i|j|k|l|m|o|p|q|r|x
+# Usage: OUT=... [PICK=1] scripts/gpu_next.sh a|b|c|d|e|f|g|h|i|j|k|l|m|o|p|q|r|x|y|z
 # Carry .whl (../shared/gpu/wheels.sh) and .gpu (../shared/gpu/configs/*.json copied in).
 set -uo pipefail
 out=${OUT:-/tmp/gpu-next}; mkdir -p "$out"
@@ -72,7 +76,22 @@ if base:
     print("picked", best, {k: round(v, 3) for k, v in score.items()})
 PY
 }
-case "${1:-a}" in
+stage=${1:-a}
+if [ "$stage" = z ]; then
+    stage=$(nvidia-smi --query-gpu=name --format=csv,noheader | grep -q H200 && echo l || echo y)
+    echo "stage z -> $stage"
+fi
+case "$stage" in
+y)
+    mkdir -p "$out/ovh" "$out/sweep"
+    timeout 130 python3 scripts/gpu_overhead.py .gpu/llama-3.1-8b.json:1 --steps 50 --profile \
+        --quantization exl3 --bits 4 --out "$out/ovh" 2>&1 | grep -vE "^ +\{" | tail -40
+    timeout 100 python3 scripts/gpu_exl3_sweep.py --out "$out/sweep" --budget 90 --combos 4:mul1 --layer-only \
+        --variants row-8x4-asm-aff,mma-8x2-aff-pps8-fo,mma-8x2-aff-pps8-fo-pf 2>&1 | tail -12
+    TRELLM_PDL=1 timeout 140 python3 -m pytest -q -p no:cacheprovider tests/kernels/test_exl3_kernels.py \
+        -k "(mma and plain and (4-mul1 or 2-mul1 or 3-mcg or 4-3inst)) or (fast_every and 4-) or merged or dispatch" 2>&1 | tail -3
+    pdl_exl3_engine 1 90; pdl_exl3_engine 0 90
+    ;;
 a)
     timeout 150 python3 -m pytest -q -p no:cacheprovider tests/kernels/test_exl3_kernels.py -x 2>&1 | tail -4
     mkdir -p "$out/sweep"

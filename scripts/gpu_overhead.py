@@ -167,6 +167,8 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=100)
     ap.add_argument("--out", default=".")
     ap.add_argument("--profile", action="store_true", help="per-kernel times inside the graph")
+    ap.add_argument("--quantization", default="none", help="none, int8 or exl3 (dummy weights)")
+    ap.add_argument("--bits", type=float, help="EXL3 bits per weight (with --quantization exl3)")
     a = ap.parse_args()
     global PROFILE
     PROFILE = a.profile
@@ -178,7 +180,8 @@ def main() -> None:
         cfg = json.load(open(path))
         llm = LLM(f"dummy:{path}", dtype="bfloat16" if device == "cuda" else "float32", device=device,
                   max_model_len=4096, kv_cache_memory=(8 << 30) if device == "cuda" else (64 << 20),
-                  quantization="none", max_num_seqs=max(batches))
+                  quantization=a.quantization, max_num_seqs=max(batches),
+                  **({"bits": a.bits} if a.bits is not None else {}))
         gemv = getattr(llm.engine.worker.runner.model, "gemv_dispatch", None)
         if gemv is not None:
             print("gemv dispatch (N, K, rows): (cuBLAS us, ours us)", flush=True)
