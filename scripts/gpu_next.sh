@@ -28,12 +28,15 @@
 #   y: EXL3 diagnostics (~9 min): the 8B decode graph at 4.0 bpw profiled kernel by kernel
 #      (scripts/gpu_overhead.py --profile), the layer sweep with the pointer-carrying K loop,
 #      the EXL3 kernel tests with PDL on, the engine at 4.0 bpw with PDL on and off.
+#   n: the RMSNorm fused into the qkv / gate_up GEMV (TRELLM_GEMV_NORM): its GPU kernel tests,
+#      issue 4's correctness checks with it on, and the whole-engine A/B base / norm /
+#      norm-forcenorm (greedy tokens compared with base's) (~8 min).
 #   z: l on an H200, y on any other card (a call that may get either).
 #   m: the early PDL trigger and the GEMV weight prefetch: a token's linears in one graph
 #      (scripts/gpu_gemv_layers.py), then scripts/gpu_pdl_ab.py (whole-engine A/B, Qwen3-0.6B
 #      and 8B single stream), then the GEMV kernel tests; writes the best env-settable
 #      variant to /tmp/trellm-pick.env (stage l's engine checks then run under it).
-# Usage: OUT=... [PICK=1] scripts/gpu_next.sh a|b|c|d|e|f|g|h|i|j|k|l|m|o|p|q|r|x|y|z
+# Usage: OUT=... [PICK=1] scripts/gpu_next.sh a|b|c|d|e|f|g|h|i|j|k|l|m|n|o|p|q|r|x|y|z
 # Carry .whl (../shared/gpu/wheels.sh) and .gpu (../shared/gpu/configs/*.json copied in).
 set -uo pipefail
 out=${OUT:-/tmp/gpu-next}; mkdir -p "$out"
@@ -72,7 +75,7 @@ if base:
     pre = next((t[3:] for t in tags if t.startswith("pre")), "0")
     with open("/tmp/trellm-pick.env", "w") as f:
         f.write(f"TRELLM_PDL_TRIGGER={'early' if 'early' in tags else 'late'}\nTRELLM_GEMV_PREFETCH={pre}\n"
-                f"TRELLM_GEMV_ADD_NORM={int('addnorm' in tags)}\n")
+                f"TRELLM_GEMV_NORM={int('norm' in tags)}\n")
     print("picked", best, {k: round(v, 3) for k, v in score.items()})
 PY
 }
@@ -82,6 +85,15 @@ if [ "$stage" = z ]; then
     echo "stage z -> $stage"
 fi
 case "$stage" in
+n)
+    mkdir -p "$out/ab" "$out/normcheck"
+    timeout 90 python3 -m pytest -q -p no:cacheprovider tests/kernels/test_gemv.py -k "rms_norm or norm_linear or pdl_mode" \
+        2>&1 | tail -2
+    TRELLM_GEMV_NORM=1 timeout 130 python3 scripts/gpu_bench.py --configs .gpu --stages correctness \
+        --out "$out/normcheck" 2>&1 | tail -4
+    timeout 330 python3 scripts/gpu_pdl_ab.py --configs .gpu --out "$out/ab" --budget 320 --repeats 2 \
+        --variants base,norm,norm-forcenorm 2>&1 | tail -7
+    ;;
 y)
     mkdir -p "$out/ovh" "$out/sweep"
     timeout 130 python3 scripts/gpu_overhead.py .gpu/llama-3.1-8b.json:1 --steps 50 --profile \
@@ -212,12 +224,12 @@ r)
     ;;
 o|p|x)
     mkdir -p "$out/layers" "$out/ab"
-    [ "$1" = x ] || timeout 100 python3 scripts/gpu_gemv_layers.py --configs .gpu --out "$out/layers" --budget 70 \
+    [ "$stage" = x ] || timeout 100 python3 scripts/gpu_gemv_layers.py --configs .gpu --out "$out/layers" --budget 70 \
         --variants cublas,ours,ours-late,ours-early,ours-pre2-early,ours-pre4-early,ours-n8-pre2-early 2>&1 | tail -26
     timeout 200 python3 scripts/gpu_pdl_ab.py --configs .gpu --out "$out/ab" --budget 185 --repeats 2 \
-        --variants base,early-pre2,addnorm,early-pre2-addnorm 2>&1 | tail -7
+        --variants base,early-pre2,norm,early-pre2-norm 2>&1 | tail -7
     pick_variant
-    [ "$1" = p ] || PICK=1 SHORT=1 EXL3_S=0 bash "$0" l
+    [ "$stage" = p ] || PICK=1 SHORT=1 EXL3_S=0 bash "$0" l
     ;;
 m)
     mkdir -p "$out/layers" "$out/ab"

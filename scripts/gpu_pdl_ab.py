@@ -8,8 +8,9 @@ Each variant runs in its own process (the PDL decision is made once per process)
 * ``early``: ``TRELLM_PDL_TRIGGER=early`` (kernels/_triton.py);
 * ``preN``: ``kernels.gemv.PREFETCH_BLOCKS = N`` (the weight head loaded before the wait);
 * ``force``: our GEMV for every dense shape at 1-8 rows, whatever the calibration timed;
-* ``addnorm``: ``TRELLM_GEMV_ADD_NORM=1`` (the o / down GEMV takes the residual add and the
-  next RMSNorm where calibration timed that faster: kernels/gemv.py gemv_add_rms_norm);
+* ``forcenorm`` (with ``norm``): gemv_rms_norm for every qkv / gate_up shape at 1-8 rows;
+* ``norm``: ``TRELLM_GEMV_NORM=1`` (the qkv / gate_up GEMV takes the RMSNorm before it and
+  its residual add where calibration timed that faster: kernels/gemv.py gemv_rms_norm);
 * ``floorN``: ``kernels.paged_attention.SPLIT_FLOOR_TOKENS = N`` (decode splits of at least
   N context tokens).
 
@@ -60,6 +61,16 @@ def apply_variant(tags: list[str]) -> dict:
 
             g.GemvDispatch.calibrate = forced
             applied["gemv"] = "forced"
+        elif tag == "forcenorm":
+            calibrate_norm = g.calibrate_norm
+
+            def forced_norm(d, weights, rows=(1, 2, 4, 8), margin=0.95):
+                calibrate_norm(d, weights, rows, margin)
+                d.use_norm = {key: True for key in d.use_norm}
+                return d
+
+            g.calibrate_norm = forced_norm  # worker/builder.py calls it through the module
+            applied["gemv_rms_norm"] = "forced"
         elif not tag.startswith("floor"):
             raise ValueError(f"unknown variant tag {tag!r}")
     return applied
@@ -86,7 +97,7 @@ def child(variant: str, configs: str, repeats: int, smoke: bool = False) -> dict
     from trellm.kernels import _triton
 
     res = {"variant": variant,
-           "applied": apply_variant([t for t in variant.split("-") if t not in ("base", "early", "addnorm")])}
+           "applied": apply_variant([t for t in variant.split("-") if t not in ("base", "early", "norm")])}
     new = 16 if smoke else 256
     for name, file in MODELS:
         path = os.path.join(configs, file)
@@ -106,10 +117,9 @@ def child(variant: str, configs: str, repeats: int, smoke: bool = False) -> dict
             r["gemv_us_rows1"] = {f"{n}x{k}": [round(t, 2) for t in ts] for (n, k, m), ts in d.timings_us.items()
                                   if m == 1}
             r["glu_rows1"] = [f"{n}x{k}" for (n, k, m), v in d.use_glu.items() if v and m == 1]
-            r["add_norm_us_rows1"] = {f"{n}x{k}{'-glu' if glu else ''}": [round(t, 2) for t in ts]
-                                      for (n, k, m, glu), ts in d.add_norm_timings_us.items() if m == 1}
-            r["add_norm_rows1"] = sorted(f"{n}x{k}{'-glu' if glu else ''}" for (n, k, m, glu), v
-                                         in d.use_add_norm.items() if v and m == 1)
+            r["norm_us_rows1"] = {f"{n}x{k}": [round(t, 2) for t in ts]
+                                  for (n, k, m), ts in d.norm_timings_us.items() if m == 1}
+            r["norm_rows1"] = sorted(f"{n}x{k}" for (n, k, m), v in d.use_norm.items() if v and m == 1)
         vocab = cfg["vocab_size"]
         run(llm, prompts(vocab, 1, 64, seed=1), 8)
         speeds = []
@@ -134,7 +144,7 @@ def env_for(variant: str) -> dict:
     env = dict(os.environ)
     env["TRELLM_PDL_TRIGGER"] = "early" if "early" in variant.split("-") else "late"
     env["TRELLM_GEMV_PREFETCH"] = "0"
-    env["TRELLM_GEMV_ADD_NORM"] = "1" if "addnorm" in variant.split("-") else "0"
+    env["TRELLM_GEMV_NORM"] = "1" if "norm" in variant.split("-") else "0"
     return env
 
 

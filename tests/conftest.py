@@ -53,6 +53,12 @@ class RecordingOps:
         self.calls += 1
         return fused_add_rms_norm_ref(x, residual, weight, eps)
 
+    def rms_norm(self, x, weight, eps):
+        from trellm.kernels.rmsnorm import rms_norm_ref
+
+        self.calls += 1
+        return rms_norm_ref(x, weight, eps)
+
 
 @pytest.fixture
 def recording_ops():

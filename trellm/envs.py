@@ -57,13 +57,13 @@ def gemv_prefetch_blocks() -> int:
     return int(raw)
 
 
-def gemv_add_norm() -> bool:
-    """Whether the o and down projections' GEMV may take the residual add and the next
-    RMSNorm into its last program (kernels/gemv.py, ``gemv_add_rms_norm``; calibrated per
-    shape like the GEMV itself): ``TRELLM_GEMV_ADD_NORM`` 1, or 0 (the default)."""
-    raw = os.environ.get("TRELLM_GEMV_ADD_NORM", "").strip() or "0"
+def gemv_norm() -> bool:
+    """Whether the qkv and gate_up projections' GEMV may take the RMSNorm before them (and
+    the residual add before that: kernels/gemv.py, ``gemv_rms_norm``; calibrated per shape
+    like the GEMV itself): ``TRELLM_GEMV_NORM`` 1, or 0 (the default)."""
+    raw = os.environ.get("TRELLM_GEMV_NORM", "").strip() or "0"
     if raw not in ("0", "1"):
-        raise ValueError(f"TRELLM_GEMV_ADD_NORM={raw!r:.20}: use 0 or 1")
+        raise ValueError(f"TRELLM_GEMV_NORM={raw!r:.20}: use 0 or 1")
     return raw == "1"
 
 

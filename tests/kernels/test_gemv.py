@@ -81,20 +81,22 @@ def test_mlp_takes_the_fused_gemv_where_picked(small_mlp, recording_ops, device)
     assert ops.calls == 1  # only the unfused call above
 
 
-@pytest.mark.parametrize("glu", [False, True])
-def test_linear_add_norm_takes_the_fused_gemv_where_picked(glu, small_mlp, recording_ops, device):
-    """With the dispatch's pick: one gemv_add_rms_norm launch, no ops call, the values of
-    the unfused path (new residual exactly, normed within float32 rounding)."""
-    from trellm.model.llama import RMSNorm, linear_add_norm
+@pytest.mark.parametrize("first", [False, True])
+def test_norm_linear_takes_the_fused_gemv_where_picked(first, small_mlp, recording_ops, device):
+    """With the dispatch's pick: one gemv_rms_norm launch, no ops call, the values of the
+    unfused path (the new residual exactly, the output within float32 rounding);
+    ``first``: no residual (the first layer's norm)."""
+    from trellm.model.llama import RMSNorm, norm_linear
 
     mlp, ops = small_mlp.to(device), recording_ops
-    x = torch.randn(2, 96 if glu else 48).to(device)
-    norm, res = RMSNorm(32, 1e-5, torch.float32).to(device), torch.randn(2, 32).to(device)
-    want = linear_add_norm(mlp.down_proj, x, res, norm, ops, glu=glu)
-    mlp.down_proj.method.gemv_dispatch = GemvDispatch(use_add_norm={(32, 48, 2, glu): True})
-    got = linear_add_norm(mlp.down_proj, x, res, norm, ops, glu=glu)
-    assert ops.calls == (2 if glu else 1)  # only the unfused call above
-    torch.testing.assert_close(got[1], want[1], atol=1e-5, rtol=1e-5)
+    x = torch.randn(2, 32).to(device)
+    norm, res = RMSNorm(32, 1e-5, torch.float32).to(device), None if first else torch.randn(2, 32).to(device)
+    norm.weight.data.copy_(1 + 0.1 * torch.randn(32))
+    want = norm_linear(mlp.gate_up_proj, x, res, norm, ops)
+    mlp.gate_up_proj.method.gemv_dispatch = GemvDispatch(use_norm={(96, 32, 2): True})
+    got = norm_linear(mlp.gate_up_proj, x, res, norm, ops)
+    assert ops.calls == 1  # only the unfused call above
+    assert torch.equal(got[1], want[1])
     torch.testing.assert_close(got[0], want[0], atol=1e-5, rtol=1e-5)
 
 
@@ -124,7 +126,7 @@ def test_gemv_pdl_mode_equals_plain(rows, n, k, glu, pre_blocks, device, monkeyp
     for pdl in (False, 1, 2):
         y = torch.empty(rows, n, device=device)
         g._gemv_kernel[(triton.cdiv(n, bn),)](x, w, w, y, rows, n, k, x.stride(0), w.stride(0), y.stride(0),
-                                               y, y, y, y, 0, 0, 0.0,
+                                               y, y, y, 0, 0, 0.0,
                                                BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, HAS_BIAS=False, GLU=glu,
                                                PRE_K=pre, PDL=pdl)
         outs.append(y)
@@ -149,45 +151,52 @@ def test_gemv_prefetched_head_matches_reference(rows, n, k, dtype, device, monke
     assert res.passed, str(res)
 
 
-@pytest.mark.parametrize("glu", [False, True])
+@pytest.mark.parametrize("pre_blocks", [0, 2])
+@pytest.mark.parametrize("with_residual", [True, False])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=str)
-@pytest.mark.parametrize("rows,n,k", [(1, 64, 128), (1, 37, 300), (3, 130, 96), (8, 1000, 64), (5, 2048, 40)])
-def test_gemv_add_rms_norm_equals_the_unfused_pair(rows, n, k, dtype, glu, device):
-    """gemv_add_rms_norm against gemv then fused_add_rms_norm (the path it replaces):
-    the new residual bit for bit (same products, same roundings); the normed rows within
-    one ulp of the dtype (the sum of squares is reduced in another thread layout); and
-    the normed rows against the float32 references. Run twice: the last program leaves
-    the arrival counter at zero for the next launch (as a graph replay needs)."""
+@pytest.mark.parametrize("rows,n,k", [(1, 64, 128), (1, 37, 300), (3, 130, 96), (8, 1000, 64), (5, 2048, 40),
+                                      (1, 24, 4096)])
+def test_gemv_rms_norm_matches_the_reference_and_the_unfused_pair(rows, n, k, dtype, with_residual, pre_blocks,
+                                                                  device, monkeypatch):
+    """gemv_rms_norm against its float32 reference (the normed activation unrounded) within
+    the dtype's tolerance; the new residual bit for bit against fused_add_rms_norm's; the
+    output against what it replaces (the norm kernel, then gemv) within two roundings of
+    the dtype (that path rounds the normed activation, this one does not)."""
     from trellm.kernels import gemv as g
-    from trellm.kernels.rmsnorm import fused_add_rms_norm, fused_add_rms_norm_ref
+    from trellm.kernels.rmsnorm import fused_add_rms_norm, rms_norm
 
-    gen = torch.Generator().manual_seed(rows * n + k + glu)
-    x = torch.randn(rows, 2 * k if glu else k, generator=gen).to(dtype).to(device)
+    monkeypatch.setattr(g, "PREFETCH_BLOCKS", pre_blocks)
+    gen = torch.Generator().manual_seed(rows * n + k + with_residual)
+    x = (3 * torch.randn(rows, k, generator=gen)).to(dtype).to(device)
     w = (torch.randn(n, k, generator=gen) / k ** 0.5).to(dtype).to(device)
     bias = torch.randn(n, generator=gen).to(dtype).to(device) if n % 2 else None
-    res = torch.randn(rows, n, generator=gen).to(dtype).to(device)
-    nw = (1 + 0.1 * torch.randn(n, generator=gen)).to(dtype).to(device)
-    want_normed, want_res = fused_add_rms_norm(gemv(x, w, bias, glu=glu), res, nw, 1e-5)
-    for _ in range(2):
-        normed, h = g.gemv_add_rms_norm(x, w, bias, res, nw, 1e-5, glu=glu)
-        assert int(g._counter(x.device).item()) == 0
-        assert torch.equal(h, want_res)
-        ulp = 2.0 ** -7 if dtype == torch.bfloat16 else 2.0 ** -20
-        torch.testing.assert_close(normed.float(), want_normed.float(), rtol=ulp, atol=ulp)
-    ref_normed, ref_res = fused_add_rms_norm_ref(gemv_ref(x, w, bias, glu=glu).float(), res.float(), nw.float(), 1e-5)
-    tol = kt.TOLERANCES[dtype]
-    res_cmp = kt.compare("gemv.add_norm", f"M={rows} N={n} K={k}", normed, ref_normed, tol, dtype)
-    assert res_cmp.passed, str(res_cmp)
+    res = torch.randn(rows, k, generator=gen).to(dtype).to(device) if with_residual else None
+    nw = (1 + 0.1 * torch.randn(k, generator=gen)).to(dtype).to(device)
+    y, s = g.gemv_rms_norm(x, w, bias, res, nw, 1e-5)
+    ref_y, ref_s = g.gemv_rms_norm_ref(x, w, bias, res, nw, 1e-5)
+    cmp = kt.compare("gemv.rms_norm", f"M={rows} N={n} K={k}", y, ref_y, kt.TOLERANCES[dtype], dtype)
+    assert cmp.passed, str(cmp)
+    if with_residual:
+        normed, want_s = fused_add_rms_norm(x, res, nw, 1e-5)
+        assert torch.equal(s, want_s) and torch.equal(s, ref_s)
+    else:
+        normed = rms_norm(x, nw, 1e-5)
+        assert s is x
+    unfused = gemv(normed, w, bias)
+    ulp = 2.0 ** -7 if dtype == torch.bfloat16 else 2.0 ** -20
+    torch.testing.assert_close(y.float(), unfused.float(), rtol=2 * ulp, atol=2 * ulp * float(unfused.abs().max()))
 
 
-def test_gemv_add_rms_norm_rejects_mismatched_shapes(device):
+def test_gemv_rms_norm_rejects_mismatched_shapes(device):
     from trellm.kernels import gemv as g
 
-    x, w = torch.zeros(2, 16, device=device), torch.zeros(8, 16, device=device)
-    with pytest.raises(ValueError, match="gemv_add_rms_norm"):
-        g.gemv_add_rms_norm(x, w, None, torch.zeros(2, 9, device=device), torch.ones(8, device=device), 1e-5)
-    with pytest.raises(ValueError, match="gemv_add_rms_norm"):
-        g.gemv_add_rms_norm(x, w, None, torch.zeros(2, 8, device=device), torch.ones(9, device=device), 1e-5)
+    x, w, nw = torch.zeros(2, 16, device=device), torch.zeros(8, 16, device=device), torch.ones(16, device=device)
+    with pytest.raises(ValueError, match="gemv_rms_norm"):
+        g.gemv_rms_norm(x, w, None, torch.zeros(2, 9, device=device), nw, 1e-5)
+    with pytest.raises(ValueError, match="gemv_rms_norm"):
+        g.gemv_rms_norm(x, w, None, None, torch.ones(9, device=device), 1e-5)
+    with pytest.raises(ValueError, match="gemv_rms_norm"):
+        g.gemv_rms_norm(torch.zeros(MAX_ROWS + 1, 16, device=device), w, None, None, nw, 1e-5)
 
 
 @pytest.mark.parametrize("blocks", [1, 2, 4, 8])
@@ -208,19 +217,19 @@ from trellm.kernels import gemv as g
 from trellm.kernels.compile_check import compile_launch, describe
 
 x, w, y = torch.empty(1, 512, dtype=torch.bfloat16), torch.empty(64, 512, dtype=torch.bfloat16), torch.empty(1, 64)
-c = torch.zeros(1, dtype=torch.int32)
-for pre, glu, add_norm in ((0, False, False), (256, False, False), (128, True, True)):
-    args = (x, w, w, y, 1, 64, 512, 512, 512, 64, y, w, y, c, 64, 64, 1e-5)
-    consts = dict(BLOCK_M=1, BLOCK_N=16, BLOCK_K=128, HAS_BIAS=False, GLU=glu, PRE_K=pre, ADD_NORM=add_norm,
-                  BLOCK_NORM=64, PDL=True, num_warps=4)
+r = torch.empty(1, 512, dtype=torch.bfloat16)
+for pre, glu, norm in ((0, False, 0), (256, False, 0), (128, True, 0), (0, False, 2), (256, False, 2), (0, False, 1)):
+    args = (x, w, w, y, 1, 64, 512, 512, 512, 64, r, w[0], r, 512, 512, 1e-5)
+    consts = dict(BLOCK_M=1, BLOCK_N=16, BLOCK_K=128, HAS_BIAS=False, GLU=glu, PRE_K=pre, NORM=norm,
+                  PDL=True, num_warps=4)
     err = compile_launch(describe(g._gemv_kernel.fn, args, consts).key())
-    assert err is None, (pre, glu, add_norm, err)
+    assert err is None, (pre, glu, norm, err)
 print("compiled")
 """
 
 
 def test_gemv_compiles_for_sm90():
-    """The GEMV's modes (prefetched head, GLU, add + norm, PDL) through Triton's compiler for
+    """The GEMV's modes (prefetched head, GLU, the fused norm, PDL) through Triton's compiler for
     sm_90, in a process without the interpreter: what the interpreter does not check (a
     loop-carried name retyped made the prefetch fail to compile on the GPU only)."""
     import os

@@ -51,16 +51,35 @@ def _load_x(x_ptr, offs_m, offs_k, m_mask, k_mask, stride_xm, K, GLU: tl.constex
 
 
 @triton.jit
+def _norm_x(x_ptr, res_ptr, nw_ptr, ro_ptr, offs_m, offs_k, m_mask, k_mask, stride_xm, stride_r, stride_ro,
+            STORE, NORM: tl.constexpr):
+    """One block of the NORM mode's input: s = x + residual (NORM 2; rounded to the
+    residual's dtype, as rmsnorm._rms_norm_kernel rounds it; NORM 1: s = x), stored to
+    ro where ``STORE`` (program 0 writes the new residual), and (s * norm weight, s) in
+    float32: the product's operand, not yet scaled by 1 / rms, and the sum of squares' term."""
+    mask = m_mask[:, None] & k_mask[None, :]
+    s = tl.load(x_ptr + offs_m[:, None] * stride_xm + offs_k[None, :], mask=mask, other=0.0)
+    if NORM == 2:
+        r = tl.load(res_ptr + offs_m[:, None] * stride_r + offs_k[None, :], mask=mask, other=0.0)
+        s = (s.to(tl.float32) + r.to(tl.float32)).to(ro_ptr.dtype.element_ty)
+        tl.store(ro_ptr + offs_m[:, None] * stride_ro + offs_k[None, :], s, mask=mask & STORE)
+    sf = s.to(tl.float32)
+    nw = tl.load(nw_ptr + offs_k, mask=k_mask, other=0.0).to(tl.float32)
+    return sf * nw[None, :], sf
+
+
+@triton.jit
 def _gemv_kernel(x_ptr, w_ptr, b_ptr, y_ptr, M, N, K, stride_xm, stride_wn, stride_ym,
-                 res_ptr, nw_ptr, normed_ptr, counter_ptr, stride_r, stride_o, eps,
+                 res_ptr, nw_ptr, ro_ptr, stride_r, stride_ro, eps,
                  BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                  HAS_BIAS: tl.constexpr, GLU: tl.constexpr, PRE_K: tl.constexpr = 0,
-                 ADD_NORM: tl.constexpr = False, BLOCK_NORM: tl.constexpr = 16, PDL: tl.constexpr = False):
+                 NORM: tl.constexpr = 0, PDL: tl.constexpr = False):
     """``PRE_K`` > 0: the first PRE_K columns of the program's weight rows in one load
     issued first (before the PDL wait, so it overlaps the kernels before this one), the
     rest streamed BLOCK_K at a time. The summation order depends on PRE_K, not on PDL.
-    ``ADD_NORM``: y is the new residual (the linear's output, rounded, plus res), and the
-    last program also writes its RMSNorm (``_add_norm_tail``)."""
+    ``NORM`` 1 / 2: y = W rmsnorm(x) / W rmsnorm(x + residual) (``gemv_rms_norm``): every
+    program sums the squares of the rows it streams anyway and scales its products by
+    1 / rms at the end, so the norm costs no pass of its own and no launch."""
     pid = tl.program_id(0)
     offs_n = pid * BLOCK_N + tl.arange(0, BLOCK_N)
     offs_m = tl.arange(0, BLOCK_M)
@@ -77,9 +96,15 @@ def _gemv_kernel(x_ptr, w_ptr, b_ptr, y_ptr, M, N, K, stride_xm, stride_wn, stri
                          mask=n_mask[:, None] & (PRE_K + tl.arange(0, BLOCK_K) < K)[None, :], other=0.0)
     pdl_begin(PDL)
     y = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    sq = tl.zeros((BLOCK_M, BLOCK_K), dtype=tl.float32)
     if PRE_K > 0:
-        # Its own name: Triton types a name once per loop, and the loop below reuses x.
-        x_pre = _load_x(x_ptr, offs_m, offs_p, m_mask, offs_p < K, stride_xm, K, GLU)
+        # Its own names: Triton types a name once per loop, and the loop below reuses x.
+        if NORM:
+            x_pre, s_pre = _norm_x(x_ptr, res_ptr, nw_ptr, ro_ptr, offs_m, offs_p, m_mask, offs_p < K, stride_xm,
+                                   stride_r, stride_ro, pid == 0, NORM)
+            sq_pre = tl.sum(s_pre * s_pre, axis=1)
+        else:
+            x_pre = _load_x(x_ptr, offs_m, offs_p, m_mask, offs_p < K, stride_xm, K, GLU)
         y += tl.sum(x_pre.to(tl.float32)[:, None, :] * w_pre.to(tl.float32)[None, :, :], axis=2)
     acc = tl.zeros((BLOCK_M, BLOCK_N, BLOCK_K), dtype=tl.float32)
     for k0 in range(PRE_K, K, BLOCK_K):
@@ -91,51 +116,30 @@ def _gemv_kernel(x_ptr, w_ptr, b_ptr, y_ptr, M, N, K, stride_xm, stride_wn, stri
                              mask=n_mask[:, None] & (offs_k + BLOCK_K < K)[None, :], other=0.0)
         else:
             w = tl.load(w_rows + offs_k[None, :], mask=n_mask[:, None] & k_mask[None, :], other=0.0)
-        x = _load_x(x_ptr, offs_m, offs_k, m_mask, k_mask, stride_xm, K, GLU)
+        if NORM:
+            x, s = _norm_x(x_ptr, res_ptr, nw_ptr, ro_ptr, offs_m, offs_k, m_mask, k_mask, stride_xm, stride_r,
+                           stride_ro, pid == 0, NORM)
+            sq += s * s
+        else:
+            x = _load_x(x_ptr, offs_m, offs_k, m_mask, k_mask, stride_xm, K, GLU)
         acc += x.to(tl.float32)[:, None, :] * w.to(tl.float32)[None, :, :]
     y += tl.sum(acc, axis=2)
+    if NORM:
+        ss = tl.sum(sq, axis=1)
+        if PRE_K > 0:
+            ss += sq_pre
+        y = y * (1.0 / tl.sqrt(ss / K + eps))[:, None]
     if HAS_BIAS:
         y += tl.load(b_ptr + offs_n, mask=n_mask, other=0.0).to(tl.float32)[None, :]
     mask = m_mask[:, None] & n_mask[None, :]
-    if ADD_NORM:
-        # The unfused path's roundings: the linear's output to x's dtype, then the sum
-        # (rmsnorm._rms_norm_kernel's ``x + residual``) to the residual's.
-        r = tl.load(res_ptr + offs_m[:, None] * stride_r + offs_n[None, :], mask=mask, other=0.0)
-        y = y.to(x_ptr.dtype.element_ty).to(tl.float32) + r.to(tl.float32)
     tl.store(y_ptr + offs_m[:, None] * stride_ym + offs_n[None, :], y.to(y_ptr.dtype.element_ty), mask=mask)
-    if ADD_NORM:
-        _add_norm_tail(y_ptr, nw_ptr, normed_ptr, counter_ptr, M, N, stride_ym, stride_o, eps,
-                       x_ptr.dtype.element_ty, BLOCK_M, BLOCK_NORM)
 
 
-@triton.jit
-def _add_norm_tail(h_ptr, nw_ptr, normed_ptr, counter, M, N, stride_h, stride_o, eps, X_DTYPE: tl.constexpr,
-                   BLOCK_M: tl.constexpr, BLOCK_NORM: tl.constexpr):
-    """Count this program in; the last of them RMS-normalizes the M rows of h (every
-    program's stores, read through L2) into normed, with rmsnorm._rms_norm_kernel's
-    arithmetic, then sets the counter back to 0 (a graph replay finds it zero). The
-    pattern of paged_attention._arrive_and_combine: a CTA barrier, then one acq_rel
-    atomic at GPU scope."""
-    tl.debug_barrier()
-    arrived = tl.atomic_add(counter, 1, sem="acq_rel", scope="gpu")
-    if arrived == tl.num_programs(0) - 1:
-        offs = tl.arange(0, BLOCK_NORM)
-        cmask = offs < N
-        w = tl.load(nw_ptr + offs, mask=cmask, other=0.0).to(tl.float32)
-        for i in tl.static_range(BLOCK_M):
-            rmask = cmask & (i < M)
-            xf = tl.load(h_ptr + i * stride_h + offs, mask=rmask, other=0.0, cache_modifier=".cg").to(tl.float32)
-            rstd = 1.0 / tl.sqrt(tl.sum(xf * xf, 0) / N + eps)
-            normed = (xf * rstd).to(X_DTYPE)  # cast back before the weight
-            tl.store(normed_ptr + i * stride_o + offs, (w * normed.to(tl.float32)).to(normed_ptr.dtype.element_ty),
-                     mask=rmask)
-        tl.atomic_xchg(counter, 0, sem="relaxed", scope="gpu")
-
-
-ADD_NORM = envs.gemv_add_norm()
-"""Whether the engine calibrates ``gemv_add_rms_norm`` (o / down projection + residual add +
-RMSNorm in one launch) against the unfused pair and uses it where it wins:
-``TRELLM_GEMV_ADD_NORM`` 1; off (0, the default) until measured in the engine on a GPU."""
+NORM = envs.gemv_norm()
+"""Whether the engine calibrates ``gemv_rms_norm`` (the RMSNorm, with the residual add before
+it, in the qkv / gate_up projection's GEMV) against the norm kernel then the linear, and uses
+it where it wins: ``TRELLM_GEMV_NORM`` 1; off (0, the default) until measured in the engine
+on a GPU."""
 
 PREFETCH_BLOCKS = envs.gemv_prefetch_blocks()
 """Weight blocks (of BLOCK_K columns) a program loads up front, before the PDL wait
@@ -180,53 +184,45 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
 
 
 def _launch(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, y: torch.Tensor, glu: bool,
-            add_norm: tuple | None = None) -> None:
-    """_gemv_kernel into y; ``add_norm``: (residual, norm weight, normed out, eps), its
-    ADD_NORM mode (y is then the new residual)."""
+            norm: tuple | None = None) -> None:
+    """_gemv_kernel into y; ``norm``: (residual or None, norm weight, new residual out, eps),
+    its NORM mode."""
     m, (n, k) = x.shape[0], weight.shape
     if m == 0 or n == 0:
         return
-    res, nw, normed, eps = add_norm if add_norm is not None else (y, y, y, 0.0)
+    res, nw, res_out, eps = norm if norm is not None else (None, y, y, 0.0)
+    res = res if res is not None else res_out
     bm, bn, bk, pre = _blocks(m, n, k)
     _gemv_kernel[(triton.cdiv(n, bn),)](
         x, weight, bias if bias is not None else weight, y, m, n, k, x.stride(0), weight.stride(0), y.stride(0),
-        res, nw, normed, _counter(x.device) if add_norm is not None else y, res.stride(0), normed.stride(0), eps,
+        res, nw, res_out, res.stride(0), res_out.stride(0), eps,
         BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, HAS_BIAS=bias is not None, GLU=glu, PRE_K=pre,
-        ADD_NORM=add_norm is not None, BLOCK_NORM=triton.next_power_of_2(n) if add_norm is not None else 16,
-        num_warps=4, **pdl_kwargs())
+        NORM=0 if norm is None else 1 if norm[0] is None else 2, num_warps=4, **pdl_kwargs())
 
 
-NORM_MAX = 16384
-"""Widest hidden size ``gemv_add_rms_norm`` normalizes (one program holds a row)."""
-_COUNTERS: dict[torch.device, torch.Tensor] = {}
-
-
-def _counter(device: torch.device) -> torch.Tensor:
-    """The arrival counter of ``gemv_add_rms_norm`` on this device: one serves every
-    launch, as launches on a stream run one after another (with PDL a kernel waits for
-    its predecessor before it counts in) and the last program leaves it zero."""
-    if device not in _COUNTERS:
-        _COUNTERS[device] = torch.zeros(1, dtype=torch.int32, device=device)
-    return _COUNTERS[device]
-
-
-def gemv_add_rms_norm(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, residual: torch.Tensor,
-                      norm_weight: torch.Tensor, eps: float, glu: bool = False
-                      ) -> tuple[torch.Tensor, torch.Tensor]:
-    """``rmsnorm.fused_add_rms_norm(gemv(x, weight, bias, glu), residual, norm_weight, eps)``
-    in one launch: (the normed new residual, the new residual), the same roundings. Why:
-    a decode step's residual add + RMSNorm is a launch of its own after every o and down
-    projection, ~2 us of a small model's ~4 us per kernel (docs/benchmarks/gpu)."""
-    m, n = x.shape[0], weight.shape[0]
-    if residual.shape != (m, n) or residual.dtype != x.dtype or norm_weight.shape != (n,) or n > NORM_MAX:
-        raise ValueError(f"gemv_add_rms_norm: residual {tuple(residual.shape)}/{residual.dtype} and norm "
-                         f"{tuple(norm_weight.shape)} must match the output [{m}, {n}]/{x.dtype} (n <= {NORM_MAX})")
-    x = _checked(x, weight, glu)
-    residual = residual if residual.stride(1) == 1 else residual.contiguous()
-    h = torch.empty(m, n, dtype=x.dtype, device=x.device)
-    normed = torch.empty(m, n, dtype=torch.promote_types(x.dtype, norm_weight.dtype), device=x.device)
-    _launch(x, weight, bias, h, glu, (residual, norm_weight, normed, eps))
-    return normed, h
+def gemv_rms_norm(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
+                  residual: torch.Tensor | None, norm_weight: torch.Tensor, eps: float
+                  ) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(F.linear(rms_norm(s), weight, bias), s)`` with s = x + residual (rounded to x's
+    dtype; s = x where residual is None) in one launch: the decoder layer's
+    ``h = h + out; normed = norm(h)`` folded into the next projection (qkv, gate_up). Why:
+    that norm is a launch of its own before two of a layer's four GEMVs, ~1.5-2 us of a
+    small model's ~4 us per kernel (docs/benchmarks/gpu). The normed activation is never
+    rounded (float32 products, scaled by 1 / rms at the end): within the dtype's rounding
+    of the norm kernel then gemv, not bit-equal to it."""
+    m, k = x.shape
+    if (weight.shape[1] != k or norm_weight.shape != (k,) or m > MAX_ROWS
+            or (residual is not None and (residual.shape != x.shape or residual.dtype != x.dtype))):
+        raise ValueError(f"gemv_rms_norm: x {tuple(x.shape)}, residual "
+                         f"{None if residual is None else (tuple(residual.shape), residual.dtype)}, norm "
+                         f"{tuple(norm_weight.shape)} and weight {tuple(weight.shape)} do not fit (rows <= {MAX_ROWS})")
+    x = _checked(x, weight, False)
+    if residual is not None and residual.stride(1) != 1:
+        residual = residual.contiguous()
+    y = torch.empty(m, weight.shape[0], dtype=x.dtype, device=x.device)
+    s = torch.empty_like(x, memory_format=torch.contiguous_format) if residual is not None else x
+    _launch(x, weight, bias, y, False, (residual, norm_weight, s, eps))
+    return y, s
 
 
 def gemv_ref(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
@@ -242,6 +238,20 @@ def gemv_ref(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = 
     return y.to(x.dtype)
 
 
+def gemv_rms_norm_ref(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
+                      residual: torch.Tensor | None, norm_weight: torch.Tensor, eps: float
+                      ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Reference of ``gemv_rms_norm``: s = x + residual rounded to x's dtype, then float32
+    math (the normed activation unrounded), the output rounded once to x's dtype."""
+    s = x if residual is None else (x.float() + residual.float()).to(x.dtype)
+    sf = s.float()
+    normed = sf * torch.rsqrt(sf.pow(2).mean(-1, keepdim=True) + eps) * norm_weight.float()
+    y = normed @ weight.float().t()
+    if bias is not None:
+        y = y + bias.float()
+    return y.to(x.dtype), s
+
+
 @dataclass
 class GemvDispatch:
     """Per (N, K, rows): use ``gemv`` where it timed faster than cuBLAS on this device."""
@@ -253,10 +263,10 @@ class GemvDispatch:
     """Per down-projection (N, K, rows): the fused ``gemv(gate_up, w, glu=True)``."""
     glu_timings_us: dict[tuple[int, int, int], tuple[float, float]] = field(default_factory=dict)
     """(silu_and_mul + the linear ``wants`` picks, fused kernel) microseconds per call."""
-    use_add_norm: dict[tuple[int, int, int, bool], bool] = field(default_factory=dict)
-    """Per (N, K, rows, glu): ``gemv_add_rms_norm`` for the linear + residual add + RMSNorm."""
-    add_norm_timings_us: dict[tuple[int, int, int, bool], tuple[float, float]] = field(default_factory=dict)
-    """(the linear as picked + fused_add_rms_norm, gemv_add_rms_norm) microseconds per call."""
+    use_norm: dict[tuple[int, int, int], bool] = field(default_factory=dict)
+    """Per (N, K, rows) of a projection after an RMSNorm (qkv, gate_up): ``gemv_rms_norm``."""
+    norm_timings_us: dict[tuple[int, int, int], tuple[float, float]] = field(default_factory=dict)
+    """(fused_add_rms_norm + the linear as ``wants`` picks it, gemv_rms_norm) microseconds per call."""
 
     def wants(self, x: torch.Tensor, weight: torch.Tensor) -> bool:
         m = x.shape[0] if x.dim() == 2 else -1
@@ -269,12 +279,12 @@ class GemvDispatch:
             return False
         return self.use_glu.get((weight.shape[0], weight.shape[1], gate_up.shape[0]), False)
 
-    def wants_add_norm(self, x: torch.Tensor, weight: torch.Tensor, glu: bool = False) -> bool:
-        """Whether ``weight``'s projection of x (glu: of silu_and_mul(x)), the residual add and
-        the next RMSNorm should be one ``gemv_add_rms_norm``; False unless calibration timed it faster."""
-        if x.dim() != 2 or x.shape[1] != (2 if glu else 1) * weight.shape[1]:
+    def wants_norm(self, x: torch.Tensor, weight: torch.Tensor) -> bool:
+        """Whether ``weight``'s projection of rms_norm(x + residual) should be one
+        ``gemv_rms_norm``; False unless calibration timed it faster."""
+        if x.dim() != 2 or x.shape[1] != weight.shape[1]:
             return False
-        return self.use_add_norm.get((weight.shape[0], weight.shape[1], x.shape[0], glu), False)
+        return self.use_norm.get((weight.shape[0], weight.shape[1], x.shape[0]), False)
 
     def calibrate(self, weights: list[torch.Tensor], rows: tuple[int, ...] = (1, 2, 4, 8),
                   margin: float = 0.95) -> "GemvDispatch":
@@ -333,45 +343,34 @@ class GemvDispatch:
         return self
 
 
-def calibrate_add_norm(d: GemvDispatch, weights: list[tuple[torch.Tensor, bool]],
-                       rows: tuple[int, ...] = (1, 2, 4, 8), margin: float = 0.95) -> GemvDispatch:
-    """For each distinct (shape, glu) of ``weights`` (the o projections, glu False, and the
-    down projections, True): ``gemv_add_rms_norm`` against what runs otherwise (the linear
-    as ``d`` picks it, then the fused_add_rms_norm kernel), both in CUDA graphs, streaming
-    the weight from HBM; the fused one must win by 5%. Run after ``calibrate`` and
-    ``calibrate_glu``."""
-    from trellm.kernels.activation import silu_and_mul
+def calibrate_norm(d: GemvDispatch, weights: list[torch.Tensor], rows: tuple[int, ...] = (1, 2, 4, 8),
+                   margin: float = 0.95) -> GemvDispatch:
+    """For each distinct shape of ``weights`` (projections after an RMSNorm: qkv, gate_up):
+    ``gemv_rms_norm`` against what runs otherwise (the fused_add_rms_norm kernel, then the
+    linear as ``d`` picks it), both in CUDA graphs, streaming the weight from HBM; the fused
+    one must win by 5%. Run after ``calibrate``."""
     from trellm.kernels.rmsnorm import fused_add_rms_norm
 
     t0 = time.perf_counter()
-    by_shape = {(w.shape[0], w.shape[1], glu): w for w, glu in weights if w.stride(1) == 1 and w.shape[0] <= NORM_MAX}
-    for (n, k, glu), w in sorted(by_shape.items(), key=lambda item: item[0]):
+    by_shape = {(w.shape[0], w.shape[1]): w for w in weights if w.stride(1) == 1}
+    for (n, k), w in sorted(by_shape.items(), key=lambda item: item[0]):
         ws = l2_copies(w)
-        nw = torch.ones(n, dtype=w.dtype, device=w.device)
+        nw = torch.ones(k, dtype=w.dtype, device=w.device)
         for m in rows:
-            x = torch.randn(m, 2 * k if glu else k, dtype=w.dtype, device=w.device)
-            res = torch.randn(m, n, dtype=w.dtype, device=w.device)
-            key = (n, k, m, glu)
+            x, res = (torch.randn(m, k, dtype=w.dtype, device=w.device) for _ in range(2))
+            key = (n, k, m)
+            linear = gemv if d.use_kernel.get(key, False) else F.linear
 
-            def unfused(w):
-                xin = x
-                if glu and d.use_glu.get((n, k, m), False):
-                    return fused_add_rms_norm(gemv(x, w, glu=True), res, nw, 1e-6)
-                if glu:
-                    xin = silu_and_mul(x)
-                y = gemv(xin, w) if d.use_kernel.get((n, k, m), False) else F.linear(xin, w)
-                return fused_add_rms_norm(y, res, nw, 1e-6)
-
-            before = graph_time_us([lambda w=w: unfused(w) for w in ws], iters=30)
-            fused = graph_time_us([lambda w=w: gemv_add_rms_norm(x, w, None, res, nw, 1e-6, glu=glu) for w in ws],
-                                  iters=30)
-            d.add_norm_timings_us[key] = (before, fused)
-            d.use_add_norm[key] = fused < margin * before
+            before = graph_time_us([lambda w=w: linear(fused_add_rms_norm(x, res, nw, 1e-6)[0], w) for w in ws],
+                                   iters=30)
+            fused = graph_time_us([lambda w=w: gemv_rms_norm(x, w, None, res, nw, 1e-6) for w in ws], iters=30)
+            d.norm_timings_us[key] = (before, fused)
+            d.use_norm[key] = fused < margin * before
         del ws
     torch.cuda.empty_cache()
-    picked = sorted(key for key, wins in d.use_add_norm.items() if wins)
-    log.info("residual add + RMSNorm fused into the GEMV for %d of %d (N, K, rows, glu) cases (%.1fs): %s",
-             len(picked), len(d.use_add_norm), time.perf_counter() - t0, picked)
+    picked = sorted(key for key, wins in d.use_norm.items() if wins)
+    log.info("residual add + RMSNorm fused into the next GEMV for %d of %d (N, K, rows) cases (%.1fs): %s",
+             len(picked), len(d.use_norm), time.perf_counter() - t0, picked)
     return d
 
 

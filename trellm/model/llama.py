@@ -16,7 +16,7 @@ from typing import Iterable, Iterator
 import torch
 import torch.nn.functional as F
 
-from trellm.kernels.gemv import gemv, gemv_add_rms_norm
+from trellm.kernels.gemv import gemv, gemv_rms_norm
 from trellm.layers.int8_head import Int8Head, int8_head_available
 from trellm.layers.linear import Linear, MergedLinear, check_float
 from trellm.layers.norm_rope import RMSNorm, RotaryEmbedding
@@ -56,8 +56,11 @@ class Attention(torch.nn.Module):
 
     def attend(self, x: torch.Tensor, positions: torch.Tensor, ctx) -> torch.Tensor:
         """The attention heads' output [T, heads * head_dim]: o_proj's input."""
-        t = x.shape[0]
-        qkv = self.qkv_proj.forward(x)
+        return self.attend_qkv(self.qkv_proj.forward(x), positions, ctx)
+
+    def attend_qkv(self, qkv: torch.Tensor, positions: torch.Tensor, ctx) -> torch.Tensor:
+        """``attend`` from the qkv projection's output [T, (heads + 2 kv heads) * head_dim]."""
+        t = qkv.shape[0]
         kv_cache = ctx.kv_caches[self.layer_idx]
         if ctx.ops is None and self.q_norm is None and ctx.rope_rotation is not None:
             # CPU decode: q and k are adjacent columns, so they rotate as one view (no
@@ -98,22 +101,20 @@ class MLP(torch.nn.Module):
         gate, up = self.gate_up_proj.split(self.gate_up_proj.forward(x))
         return self.down_proj.forward(F.silu(gate) * up)
 
-    def forward_add_norm(self, x: torch.Tensor, residual: torch.Tensor, norm: RMSNorm, ops
-                         ) -> tuple[torch.Tensor, torch.Tensor]:
-        """GPU kernels: ``ops.fused_add_rms_norm(self.forward(x, ops), residual, ...)``."""
-        return linear_add_norm(self.down_proj, self.gate_up_proj.forward(x), residual, norm, ops, glu=True)
 
-
-def linear_add_norm(linear: Linear, x: torch.Tensor, residual: torch.Tensor, norm: RMSNorm, ops, glu: bool = False
-                    ) -> tuple[torch.Tensor, torch.Tensor]:
-    """(norm(linear(x) + residual), linear(x) + residual); ``glu``: linear of
-    silu_and_mul(x). One launch (gemv_add_rms_norm) where the dense layer's calibrated
-    dispatch picked it, else the linear as the dispatch picks it, then ops.fused_add_rms_norm."""
+def norm_linear(linear: Linear, x: torch.Tensor, residual: torch.Tensor | None, norm: RMSNorm, ops
+                ) -> tuple[torch.Tensor, torch.Tensor]:
+    """(linear(norm(x + residual)), x + residual) with the GPU kernels; residual None: x is
+    the residual itself (the first layer's embeddings). One launch (gemv_rms_norm) where the
+    dense layer's calibrated dispatch picked it, else ops.fused_add_rms_norm (ops.rms_norm)
+    then the linear as the dispatch picks it."""
     d = getattr(linear.method, "gemv_dispatch", None)
-    if d is not None and d.wants_add_norm(x, linear.weight, glu):
-        return gemv_add_rms_norm(x, linear.weight, linear.bias, residual, norm.weight, norm.eps, glu=glu)
-    y = glu_linear(linear, x, ops) if glu else linear.forward(x)
-    return ops.fused_add_rms_norm(y, residual, norm.weight, norm.eps)
+    if d is not None and d.wants_norm(x, linear.weight):
+        return gemv_rms_norm(x, linear.weight, linear.bias, residual, norm.weight, norm.eps)
+    if residual is None:
+        return linear.forward(ops.rms_norm(x, norm.weight, norm.eps)), x
+    normed, residual = ops.fused_add_rms_norm(x, residual, norm.weight, norm.eps)
+    return linear.forward(normed), residual
 
 
 def glu_linear(linear: Linear, gate_up: torch.Tensor, ops) -> torch.Tensor:
@@ -177,18 +178,18 @@ class LlamaForCausalLM(torch.nn.Module):
         return self.norm.forward(x)
 
     def _forward_fused(self, x: torch.Tensor, positions: torch.Tensor, ctx) -> torch.Tensor:
-        """The same layers with the residual add folded into the next norm (one kernel
-        for ``h = h + out; normed = norm(h)``), as the GPU kernels want it."""
+        """The same layers as the GPU kernels want them: each sublayer's output waits, with
+        the residual, for the next norm, which runs with the residual add as one kernel or
+        inside the next projection's GEMV (``norm_linear``)."""
         ops = ctx.ops
-        first = self.layers[0].input_layernorm
-        residual, h = x, ops.rms_norm(x, first.weight, first.eps)
-        norms = [layer.input_layernorm for layer in self.layers[1:]] + [self.norm]
-        for layer, next_norm in zip(self.layers, norms):
-            attn = layer.self_attn
-            h, residual = linear_add_norm(attn.o_proj, attn.attend(h, positions, ctx), residual,
-                                          layer.post_attention_layernorm, ops)
-            h, residual = layer.mlp.forward_add_norm(h, residual, next_norm, ops)
-        return h
+        out, residual = x, None
+        for layer in self.layers:
+            attn, mlp = layer.self_attn, layer.mlp
+            qkv, residual = norm_linear(attn.qkv_proj, out, residual, layer.input_layernorm, ops)
+            out = attn.o_proj.forward(attn.attend_qkv(qkv, positions, ctx))
+            gate_up, residual = norm_linear(mlp.gate_up_proj, out, residual, layer.post_attention_layernorm, ops)
+            out = glu_linear(mlp.down_proj, gate_up, ops)
+        return ops.fused_add_rms_norm(out, residual, self.norm.weight, self.norm.eps)[0]
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         if self.lm_head_int8 is not None:

@@ -169,27 +169,27 @@ def _calibrate_gemv(model: torch.nn.Module) -> None:
     except Exception as e:  # the fused variant failing must not cost the plain GEMV choices
         log.warning("fused SiLU-and-mul GEMV unavailable (%s); unfused MLP", str(e).splitlines()[0])
         dispatch.use_glu.clear()
-    _calibrate_add_norm(model, dispatch, dense)
+    _calibrate_norm(model, dispatch, dense)
     for m in linears:
         m.method.gemv_dispatch = dispatch
     model.gemv_dispatch = dispatch
 
 
-def _calibrate_add_norm(model: torch.nn.Module, dispatch, dense: set[int]) -> None:
-    """TRELLM_GEMV_ADD_NORM=1: the dense o and down projections' candidates for the
-    residual add + RMSNorm fused into their GEMV (model/llama.py, linear_add_norm)."""
+def _calibrate_norm(model: torch.nn.Module, dispatch, dense: set[int]) -> None:
+    """TRELLM_GEMV_NORM=1: the dense qkv and gate_up projections' candidates for the
+    RMSNorm before them (and its residual add) fused into their GEMV (model/llama.py,
+    norm_linear)."""
     from trellm.kernels import gemv as g
 
-    if not g.ADD_NORM:
+    if not g.NORM:
         return
-    cases = [(m.o_proj.weight, False) for m in model.modules() if id(getattr(m, "o_proj", None)) in dense]
-    cases += [(m.down_proj.weight, True) for m in model.modules()
-              if hasattr(m, "gate_up_proj") and id(getattr(m, "down_proj", None)) in dense]
+    cases = [m.qkv_proj.weight for m in model.modules() if id(getattr(m, "qkv_proj", None)) in dense]
+    cases += [m.gate_up_proj.weight for m in model.modules() if id(getattr(m, "gate_up_proj", None)) in dense]
     try:
-        g.calibrate_add_norm(dispatch, cases)
+        g.calibrate_norm(dispatch, cases)
     except Exception as e:  # as for the GLU variant: the plain choices stand
-        log.warning("GEMV with the residual add + RMSNorm unavailable (%s); unfused", str(e).splitlines()[0])
-        dispatch.use_add_norm.clear()
+        log.warning("GEMV with the RMSNorm fused in unavailable (%s); unfused", str(e).splitlines()[0])
+        dispatch.use_norm.clear()
 
 
 def _quant_note(arch: ArchConfig) -> str:
