@@ -31,12 +31,14 @@
 #   n: the RMSNorm fused into the qkv / gate_up GEMV (TRELLM_GEMV_NORM): its GPU kernel tests,
 #      issue 4's correctness checks with it on, and the whole-engine A/B base / norm /
 #      norm-forcenorm (greedy tokens compared with base's) (~8 min).
+#   v: the bf16 decode graphs of Qwen3-0.6B and the 8B profiled kernel by kernel, defaults and
+#      TRELLM_GEMV_NORM=1 (scripts/gpu_overhead.py --profile, ~4 min).
 #   z: l on an H200, y on any other card (a call that may get either).
 #   m: the early PDL trigger and the GEMV weight prefetch: a token's linears in one graph
 #      (scripts/gpu_gemv_layers.py), then scripts/gpu_pdl_ab.py (whole-engine A/B, Qwen3-0.6B
 #      and 8B single stream), then the GEMV kernel tests; writes the best env-settable
 #      variant to /tmp/trellm-pick.env (stage l's engine checks then run under it).
-# Usage: OUT=... [PICK=1] scripts/gpu_next.sh a|b|c|d|e|f|g|h|i|j|k|l|m|n|o|p|q|r|x|y|z
+# Usage: OUT=... [PICK=1] scripts/gpu_next.sh a|b|c|d|e|f|g|h|i|j|k|l|m|n|o|p|q|r|v|x|y|z
 # Carry .whl (../shared/gpu/wheels.sh) and .gpu (../shared/gpu/configs/*.json copied in).
 set -uo pipefail
 out=${OUT:-/tmp/gpu-next}; mkdir -p "$out"
@@ -85,6 +87,13 @@ if [ "$stage" = z ]; then
     echo "stage z -> $stage"
 fi
 case "$stage" in
+v)
+    for norm in 0 1; do
+        mkdir -p "$out/ovh-norm$norm"
+        TRELLM_GEMV_NORM=$norm timeout 120 python3 scripts/gpu_overhead.py .gpu/qwen3-0.6b.json:1 .gpu/llama-3.1-8b.json:1 \
+            --steps 50 --profile --out "$out/ovh-norm$norm" 2>&1 | grep -vE "^ +\{" | grep -E "K |tok_s|<-" | cut -c1-200 | tail -60
+    done
+    ;;
 n)
     mkdir -p "$out/ab" "$out/normcheck"
     timeout 90 python3 -m pytest -q -p no:cacheprovider tests/kernels/test_gemv.py -k "rms_norm or norm_linear or pdl_mode" \
