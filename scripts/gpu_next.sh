@@ -33,12 +33,13 @@
 #      norm-forcenorm (greedy tokens compared with base's) (~8 min).
 #   v: the bf16 decode graphs of Qwen3-0.6B and the 8B profiled kernel by kernel, defaults and
 #      TRELLM_GEMV_NORM=1 (scripts/gpu_overhead.py --profile, ~4 min).
-#   z: l on an H200, y on any other card (a call that may get either).
+#   z: l on an H200, y on any other card (a call that may get either); w: l on an H200, n on
+#      any other card.
 #   m: the early PDL trigger and the GEMV weight prefetch: a token's linears in one graph
 #      (scripts/gpu_gemv_layers.py), then scripts/gpu_pdl_ab.py (whole-engine A/B, Qwen3-0.6B
 #      and 8B single stream), then the GEMV kernel tests; writes the best env-settable
 #      variant to /tmp/trellm-pick.env (stage l's engine checks then run under it).
-# Usage: OUT=... [PICK=1] scripts/gpu_next.sh a|b|c|d|e|f|g|h|i|j|k|l|m|n|o|p|q|r|v|x|y|z
+# Usage: OUT=... [PICK=1] scripts/gpu_next.sh a|b|c|d|e|f|g|h|i|j|k|l|m|n|o|p|q|r|v|w|x|y|z
 # Carry .whl (../shared/gpu/wheels.sh) and .gpu (../shared/gpu/configs/*.json copied in).
 set -uo pipefail
 out=${OUT:-/tmp/gpu-next}; mkdir -p "$out"
@@ -82,9 +83,10 @@ if base:
 PY
 }
 stage=${1:-a}
-if [ "$stage" = z ]; then
-    stage=$(nvidia-smi --query-gpu=name --format=csv,noheader | grep -q H200 && echo l || echo y)
-    echo "stage z -> $stage"
+if [ "$stage" = z ] || [ "$stage" = w ]; then
+    other=$([ "$stage" = z ] && echo y || echo n)
+    stage=$(nvidia-smi --query-gpu=name --format=csv,noheader | grep -q H200 && echo l || echo "$other")
+    echo "-> stage $stage"
 fi
 case "$stage" in
 v)
