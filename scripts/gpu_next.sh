@@ -28,8 +28,9 @@
 #   y: EXL3 diagnostics (~9 min): the 8B decode graph at 4.0 bpw profiled kernel by kernel
 #      (scripts/gpu_overhead.py --profile), the layer sweep with the pointer-carrying K loop,
 #      the EXL3 kernel tests with PDL on, the engine at 4.0 bpw with PDL on and off.
-#   n: the RMSNorm fused into the qkv / gate_up GEMV (TRELLM_GEMV_NORM): its GPU kernel tests,
-#      issue 4's correctness checks with it on, and the whole-engine A/B base / norm /
+#   n: the RMSNorm fused into the qkv / gate_up GEMV (TRELLM_GEMV_NORM): its GPU kernel tests
+#      (and the decode attention / RoPE ones: metadata read before the PDL wait), issue 4's
+#      correctness checks with it on, and the whole-engine A/B base / norm /
 #      norm-forcenorm (greedy tokens compared with base's) (~8 min).
 #   v: the bf16 decode graphs of Qwen3-0.6B and the 8B profiled kernel by kernel, defaults and
 #      TRELLM_GEMV_NORM=1 (scripts/gpu_overhead.py --profile, ~4 min).
@@ -98,11 +99,12 @@ v)
     ;;
 n)
     mkdir -p "$out/ab" "$out/normcheck"
-    timeout 90 python3 -m pytest -q -p no:cacheprovider tests/kernels/test_gemv.py -k "rms_norm or norm_linear or pdl_mode" \
+    timeout 150 python3 -m pytest -q -p no:cacheprovider tests/kernels/test_gemv.py tests/kernels/test_paged_attention.py \
+        tests/kernels/test_norm_act_rope.py -k "rms_norm or norm_linear or pdl_mode or decode or rope or write_kv" \
         2>&1 | tail -2
     TRELLM_GEMV_NORM=1 timeout 130 python3 scripts/gpu_bench.py --configs .gpu --stages correctness \
         --out "$out/normcheck" 2>&1 | tail -4
-    timeout 330 python3 scripts/gpu_pdl_ab.py --configs .gpu --out "$out/ab" --budget 320 --repeats 2 \
+    timeout 270 python3 scripts/gpu_pdl_ab.py --configs .gpu --out "$out/ab" --budget 260 --repeats 2 \
         --variants base,norm,norm-forcenorm 2>&1 | tail -7
     ;;
 y)

@@ -90,9 +90,11 @@ def pdl_kwargs(gpu_checked: bool = True) -> dict:
 if HAS_TRITON:
     @triton.jit
     def pdl_begin(PDL: tl.constexpr):
-        """A kernel's first statement (after reads of never-written weights only): with
-        PDL, wait for the predecessor grid's completion (and memory) and allow the
-        successor's launch, in the order PDL says (1: wait first, 2: allow first)."""
+        """With PDL, wait for the predecessor grid's completion (and memory) and allow the
+        successor's launch, in the order PDL says (1: wait first, 2: allow first). Only
+        reads of what no kernel of the forward writes may come before it: weights, tables,
+        and the step's metadata (positions, slots, block tables, context lengths), which
+        are copied in before the forward's first kernel starts."""
         if PDL:
             if PDL == 2:
                 tl.extra.cuda.gdc_launch_dependents()

@@ -73,7 +73,8 @@ def _decode_split_kernel(
     BLOCK_H: tl.constexpr, CHUNK: tl.constexpr, PRECISION: tl.constexpr, SPLIT_FLOOR: tl.constexpr = 0,
     PDL: tl.constexpr = False,
 ):
-    pdl_begin(PDL)
+    # Before the wait for the previous kernel: the step's metadata (copied in before the
+    # forward; no kernel of it writes them), so that only the q and K / V loads wait on it.
     b = tl.program_id(0)
     kvh = tl.program_id(1)
     split = tl.program_id(2)
@@ -90,6 +91,9 @@ def _decode_split_kernel(
     if FUSED:
         if start >= seq_len:
             return  # empty: the fused combine reads only the non-empty splits
+    blk_next = tl.load(block_table_ptr + b * stride_bt + (start + tl.arange(0, BLOCK_N)) // PAGE,
+                       mask=start + tl.arange(0, BLOCK_N) < end, other=0)
+    pdl_begin(PDL)
 
     offs_g = tl.arange(0, BLOCK_G)
     offs_d = tl.arange(0, BLOCK_D)
@@ -105,7 +109,9 @@ def _decode_split_kernel(
     for n0 in range(start, end, BLOCK_N):
         offs_n = n0 + tl.arange(0, BLOCK_N)
         n_mask = offs_n < end
-        blk = tl.load(block_table_ptr + b * stride_bt + offs_n // PAGE, mask=n_mask, other=0)
+        blk = blk_next  # this tile's pages, loaded a tile ahead (the first before the wait)
+        blk_next = tl.load(block_table_ptr + b * stride_bt + (offs_n + BLOCK_N) // PAGE,
+                           mask=offs_n + BLOCK_N < end, other=0)
         kv_off = blk.to(tl.int64) * stride_kb + (offs_n % PAGE) * stride_ks + kvh * stride_kh
         kv_mask = n_mask[:, None] & d_mask[None, :]
         k = tl.load(k_ptr + kv_off[:, None] + offs_d[None, :], mask=kv_mask, other=0.0)

@@ -36,15 +36,13 @@ def _rope_kv_kernel(
     BLOCK_HQ: tl.constexpr, BLOCK_HK: tl.constexpr, PAGE: tl.constexpr,
     HAS_ROPE: tl.constexpr, HAS_POS: tl.constexpr, HAS_QK_NORM: tl.constexpr, PDL: tl.constexpr = False,
 ):
-    pdl_begin(PDL)
+    # Before the wait for the previous kernel: what no kernel of the forward writes (the
+    # step's positions and slots, copied in before it; the tables), so only the q / k / v
+    # loads wait on it. (The qkv projection's output is the one input it produces.)
     t = tl.program_id(0).to(tl.int64)
     offs = tl.arange(0, BLOCK_HALF)
     d_mask = offs < HALF
-    hk = tl.arange(0, BLOCK_HK)
-    k_mask = (hk < NUM_KV_HEADS)[:, None] & d_mask[None, :]
-    k_row = k_ptr + t * stride_kt + hk[:, None] * stride_kh + offs[None, :]
-    k1 = tl.load(k_row, mask=k_mask, other=0.0)
-    k2 = tl.load(k_row + HALF, mask=k_mask, other=0.0)
+    slot = tl.load(slot_ptr + t).to(tl.int64)
     if HAS_ROPE:
         row = t
         if HAS_POS:
@@ -53,7 +51,16 @@ def _rope_kv_kernel(
         cos2 = tl.load(cos_ptr + row * stride_cos + HALF + offs, mask=d_mask, other=0.0).to(tl.float32)[None, :]
         sin1 = tl.load(sin_ptr + row * stride_sin + offs, mask=d_mask, other=0.0).to(tl.float32)[None, :]
         sin2 = tl.load(sin_ptr + row * stride_sin + HALF + offs, mask=d_mask, other=0.0).to(tl.float32)[None, :]
-
+    pdl_begin(PDL)
+    hk = tl.arange(0, BLOCK_HK)
+    k_mask = (hk < NUM_KV_HEADS)[:, None] & d_mask[None, :]
+    k_row = k_ptr + t * stride_kt + hk[:, None] * stride_kh + offs[None, :]
+    k1 = tl.load(k_row, mask=k_mask, other=0.0)
+    k2 = tl.load(k_row + HALF, mask=k_mask, other=0.0)
+    v_row = v_ptr + t * stride_vt + hk[:, None] * stride_vh + offs[None, :]
+    v1 = tl.load(v_row, mask=k_mask, other=0.0)
+    v2 = tl.load(v_row + HALF, mask=k_mask, other=0.0)
+    if HAS_ROPE:
         hq = tl.arange(0, BLOCK_HQ)
         q_mask = (hq < NUM_Q_HEADS)[:, None] & d_mask[None, :]
         q_row = q_ptr + t * stride_qt + hq[:, None] * stride_qh + offs[None, :]
@@ -73,15 +80,13 @@ def _rope_kv_kernel(
         k1 = k1f * cos1 + k2f * sin1
         k2 = k2f * cos2 + k1f * sin2
 
-    slot = tl.load(slot_ptr + t).to(tl.int64)
     if slot >= 0:
         cdt = k_cache_ptr.dtype.element_ty
         dst = (slot // PAGE) * stride_cb + (slot % PAGE) * stride_cs + hk[:, None] * stride_ch + offs[None, :]
         tl.store(k_cache_ptr + dst, k1.to(cdt), mask=k_mask)
         tl.store(k_cache_ptr + dst + HALF, k2.to(cdt), mask=k_mask)
-        v_row = v_ptr + t * stride_vt + hk[:, None] * stride_vh + offs[None, :]
-        tl.store(v_cache_ptr + dst, tl.load(v_row, mask=k_mask, other=0.0).to(cdt), mask=k_mask)
-        tl.store(v_cache_ptr + dst + HALF, tl.load(v_row + HALF, mask=k_mask, other=0.0).to(cdt), mask=k_mask)
+        tl.store(v_cache_ptr + dst, v1.to(cdt), mask=k_mask)
+        tl.store(v_cache_ptr + dst + HALF, v2.to(cdt), mask=k_mask)
 
 
 @triton.jit
