@@ -126,7 +126,7 @@ def test_gemv_pdl_mode_equals_plain(rows, n, k, glu, pre_blocks, device, monkeyp
     for pdl in (False, 1, 2):
         y = torch.empty(rows, n, device=device)
         g._gemv_kernel[(triton.cdiv(n, bn),)](x, w, w, y, rows, n, k, x.stride(0), w.stride(0), y.stride(0),
-                                               y, y, y, 0, 0, 0.0,
+                                               y, y, y, 0, 0, 0.0, y,
                                                BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, HAS_BIAS=False, GLU=glu,
                                                PRE_K=pre, PDL=pdl)
         outs.append(y)
@@ -219,17 +219,24 @@ from trellm.kernels.compile_check import compile_launch, describe
 x, w, y = torch.empty(1, 512, dtype=torch.bfloat16), torch.empty(64, 512, dtype=torch.bfloat16), torch.empty(1, 64)
 r = torch.empty(1, 512, dtype=torch.bfloat16)
 for pre, glu, norm in ((0, False, 0), (256, False, 0), (128, True, 0), (0, False, 2), (256, False, 2), (0, False, 1)):
-    args = (x, w, w, y, 1, 64, 512, 512, 512, 64, r, w[0], r, 512, 512, 1e-5)
+    args = (x, w, w, y, 1, 64, 512, 512, 512, 64, r, w[0], r, 512, 512, 1e-5, y)
     consts = dict(BLOCK_M=1, BLOCK_N=16, BLOCK_K=128, HAS_BIAS=False, GLU=glu, PRE_K=pre, NORM=norm,
                   PDL=True, num_warps=4)
     err = compile_launch(describe(g._gemv_kernel.fn, args, consts).key())
     assert err is None, (pre, glu, norm, err)
+q, s = torch.empty(64, 512, dtype=torch.int8), torch.empty(64)
+for pre, k_block in ((0, 256), (256, 256)):
+    args = (x, q, y, y, 1, 64, 512, 512, 512, 64, y, y, y, 64, 64, 0.0, s)
+    consts = dict(BLOCK_M=1, BLOCK_N=16, BLOCK_K=k_block, HAS_BIAS=False, GLU=False, PRE_K=pre, W_INT8=True,
+                  PDL=True, num_warps=4)
+    err = compile_launch(describe(g._gemv_kernel.fn, args, consts).key())
+    assert err is None, ("int8", pre, err)
 print("compiled")
 """
 
 
 def test_gemv_compiles_for_sm90():
-    """The GEMV's modes (prefetched head, GLU, the fused norm, PDL) through Triton's compiler for
+    """The GEMV's modes (prefetched head, GLU, the fused norm, int8 weights, PDL) through Triton's compiler for
     sm_90, in a process without the interpreter: what the interpreter does not check (a
     loop-carried name retyped made the prefetch fail to compile on the GPU only)."""
     import os

@@ -69,7 +69,7 @@ def test_dispatched_path(rows, bias, device):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=str)
-@pytest.mark.parametrize("name", ["n64k128", "s64k128", "f32k512", "g128k64"])
+@pytest.mark.parametrize("name", ["n64k128", "s64k128", "f32k512", "g128k64", "v2"])
 def test_activation_dtypes(name, dtype, device):
     rows = 1 if ig.CONFIGS[name].kind == "fma" else 5
     x, q, scale, b = _case(rows, 70, 300, device, seed=7, bias=True, dtype=dtype)
@@ -96,6 +96,20 @@ def test_fma_config_refuses_several_rows(device):
     x, q, scale, _ = _case(2, 16, 64, device, seed=0, bias=False)
     with pytest.raises(ValueError, match="takes one row"):
         ig.int8_linear_triton(x, q, scale, None, config="f16k512")
+    x, q, scale, _ = _case(9, 16, 64, device, seed=0, bias=False)
+    with pytest.raises(ValueError, match="takes fewer rows"):
+        ig.int8_linear_triton(x, q, scale, None, config="v1")
+    assert "v1" in ig.candidates(8) and "v1" not in ig.candidates(9)
+
+
+def test_gemv_int8_rejects_other_weights(device):
+    from trellm.kernels.gemv import gemv_int8
+
+    x, q, scale, _ = _case(1, 16, 64, device, seed=0, bias=False)
+    with pytest.raises(ValueError, match="gemv_int8"):
+        gemv_int8(x, q.float(), scale)
+    with pytest.raises(ValueError, match="gemv_int8"):
+        gemv_int8(x, q, scale[:8])
 
 
 def test_leading_dims_paths_and_dequant_baseline(device):
@@ -121,6 +135,8 @@ def test_dispatch_lookup_is_shape_only_and_json_friendly():
     assert d.config_for(64, 64, 1).name == ig.default_config(1).name  # shape never calibrated
     d.picks["96x512x2"] = "f16k512"  # an M == 1 kernel is never used for more rows
     assert d.config_for(96, 512, 2).kind == "dot"
+    d.picks["96x512x16"] = "v1"  # nor the GEMV's above its MAX_ROWS
+    assert d.config_for(96, 512, 9).kind == "dot"
     json.dumps(dataclasses.asdict(d))  # scripts dump the dispatch as JSON
 
 

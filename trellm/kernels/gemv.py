@@ -69,17 +69,27 @@ def _norm_x(x_ptr, res_ptr, nw_ptr, ro_ptr, offs_m, offs_k, m_mask, k_mask, stri
 
 
 @triton.jit
+def _w_f32(w, W_INT8: tl.constexpr):
+    if W_INT8:
+        # int8_gemv._int8_to_f32's exact trick (no quarter-rate int-to-float conversion).
+        return (w.to(tl.int32) + 0x4B000080).to(tl.float32, bitcast=True) - 8388736.0
+    return w.to(tl.float32)
+
+
+@triton.jit
 def _gemv_kernel(x_ptr, w_ptr, b_ptr, y_ptr, M, N, K, stride_xm, stride_wn, stride_ym,
-                 res_ptr, nw_ptr, ro_ptr, stride_r, stride_ro, eps,
+                 res_ptr, nw_ptr, ro_ptr, stride_r, stride_ro, eps, scale_ptr,
                  BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                  HAS_BIAS: tl.constexpr, GLU: tl.constexpr, PRE_K: tl.constexpr = 0,
-                 NORM: tl.constexpr = 0, PDL: tl.constexpr = False):
+                 NORM: tl.constexpr = 0, W_INT8: tl.constexpr = False, PDL: tl.constexpr = False):
     """``PRE_K`` > 0: the first PRE_K columns of the program's weight rows in one load
     issued first (before the PDL wait, so it overlaps the kernels before this one), the
     rest streamed BLOCK_K at a time. The summation order depends on PRE_K, not on PDL.
     ``NORM`` 1 / 2: y = W rmsnorm(x) / W rmsnorm(x + residual) (``gemv_rms_norm``): every
     program sums the squares of the rows it streams anyway and scales its products by
-    1 / rms at the end, so the norm costs no pass of its own and no launch."""
+    1 / rms at the end, so the norm costs no pass of its own and no launch.
+    ``W_INT8``: w is int8 with a float32 scale per output row (W8A16, ``gemv_int8``),
+    applied once to the float32 sum."""
     pid = tl.program_id(0)
     offs_n = pid * BLOCK_N + tl.arange(0, BLOCK_N)
     offs_m = tl.arange(0, BLOCK_M)
@@ -105,7 +115,7 @@ def _gemv_kernel(x_ptr, w_ptr, b_ptr, y_ptr, M, N, K, stride_xm, stride_wn, stri
             sq_pre = tl.sum(s_pre * s_pre, axis=1)
         else:
             x_pre = _load_x(x_ptr, offs_m, offs_p, m_mask, offs_p < K, stride_xm, K, GLU)
-        y += tl.sum(x_pre.to(tl.float32)[:, None, :] * w_pre.to(tl.float32)[None, :, :], axis=2)
+        y += tl.sum(x_pre.to(tl.float32)[:, None, :] * _w_f32(w_pre, W_INT8)[None, :, :], axis=2)
     acc = tl.zeros((BLOCK_M, BLOCK_N, BLOCK_K), dtype=tl.float32)
     for k0 in range(PRE_K, K, BLOCK_K):
         offs_k = k0 + tl.arange(0, BLOCK_K)
@@ -122,13 +132,15 @@ def _gemv_kernel(x_ptr, w_ptr, b_ptr, y_ptr, M, N, K, stride_xm, stride_wn, stri
             sq += s * s
         else:
             x = _load_x(x_ptr, offs_m, offs_k, m_mask, k_mask, stride_xm, K, GLU)
-        acc += x.to(tl.float32)[:, None, :] * w.to(tl.float32)[None, :, :]
+        acc += x.to(tl.float32)[:, None, :] * _w_f32(w, W_INT8)[None, :, :]
     y += tl.sum(acc, axis=2)
     if NORM:
         ss = tl.sum(sq, axis=1)
         if PRE_K > 0:
             ss += sq_pre
         y = y * (1.0 / tl.sqrt(ss / K + eps))[:, None]
+    if W_INT8:
+        y = y * tl.load(scale_ptr + offs_n, mask=n_mask, other=0.0)[None, :]
     if HAS_BIAS:
         y += tl.load(b_ptr + offs_n, mask=n_mask, other=0.0).to(tl.float32)[None, :]
     mask = m_mask[:, None] & n_mask[None, :]
@@ -147,13 +159,14 @@ PREFETCH_BLOCKS = envs.gemv_prefetch_blocks()
 compares values in whole-engine runs."""
 
 
-def _blocks(m: int, n: int, k: int) -> tuple[int, int, int, int]:
-    """(BLOCK_M, BLOCK_N, BLOCK_K, PRE_K) for x [m, k] and a weight [n, k]."""
+def _blocks(m: int, n: int, k: int, k_mult: int = 1) -> tuple[int, int, int, int]:
+    """(BLOCK_M, BLOCK_N, BLOCK_K, PRE_K) for x [m, k] and a weight [n, k]; ``k_mult``:
+    BLOCK_K that many times wider (int8 weights: the same bytes a block)."""
     block_m = triton.next_power_of_2(max(m, 1))
     # Enough programs to cover the SMs a few times over; at least 4 rows per program.
     block_n = 16 if n >= 16 * 512 else 8 if n >= 8 * 256 else 4
     # Keep the per-program accumulator near 4k floats (registers, not spills).
-    block_k = max(32, 4096 // (block_m * block_n))
+    block_k = max(32, 4096 // (block_m * block_n)) * k_mult
     pre_k = 0
     if PREFETCH_BLOCKS:
         # A power of two (tl.arange), at most 4x the accumulator's floats in the head's
@@ -184,20 +197,36 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
 
 
 def _launch(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, y: torch.Tensor, glu: bool,
-            norm: tuple | None = None) -> None:
+            norm: tuple | None = None, scale: torch.Tensor | None = None, k_mult: int = 1) -> None:
     """_gemv_kernel into y; ``norm``: (residual or None, norm weight, new residual out, eps),
-    its NORM mode."""
+    its NORM mode; ``scale``: weight is int8 with this float32 scale per row (W_INT8)."""
     m, (n, k) = x.shape[0], weight.shape
     if m == 0 or n == 0:
         return
     res, nw, res_out, eps = norm if norm is not None else (None, y, y, 0.0)
     res = res if res is not None else res_out
-    bm, bn, bk, pre = _blocks(m, n, k)
+    bm, bn, bk, pre = _blocks(m, n, k, k_mult)
     _gemv_kernel[(triton.cdiv(n, bn),)](
-        x, weight, bias if bias is not None else weight, y, m, n, k, x.stride(0), weight.stride(0), y.stride(0),
-        res, nw, res_out, res.stride(0), res_out.stride(0), eps,
+        x, weight, bias if bias is not None else y, y, m, n, k, x.stride(0), weight.stride(0), y.stride(0),
+        res, nw, res_out, res.stride(0), res_out.stride(0), eps, scale if scale is not None else y,
         BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, HAS_BIAS=bias is not None, GLU=glu, PRE_K=pre,
-        NORM=0 if norm is None else 1 if norm[0] is None else 2, num_warps=4, **pdl_kwargs())
+        NORM=0 if norm is None else 1 if norm[0] is None else 2, W_INT8=scale is not None, num_warps=4,
+        **pdl_kwargs())
+
+
+def gemv_int8(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None = None,
+              k_mult: int = 1) -> torch.Tensor:
+    """W8A16 ``(x @ q^T) * scale (+ bias)`` for x [M <= MAX_ROWS, K], q int8 [N, K], scale
+    float32 [N]: this kernel's streaming layout (a program per strip of rows, the whole K,
+    no split and so no reduce) as a candidate of int8_gemv's calibration. ``k_mult``: the
+    K block that many times the bf16 GEMV's (the same bytes per load at 2)."""
+    x = _checked(x, q, False)
+    if q.dtype != torch.int8 or scale.shape != (q.shape[0],) or scale.dtype != torch.float32:
+        raise ValueError(f"gemv_int8 takes an int8 [N, K] weight and a float32 [N] scale; got {q.dtype} and "
+                         f"{tuple(scale.shape)}/{scale.dtype}")
+    y = torch.empty(x.shape[0], q.shape[0], dtype=x.dtype, device=x.device)
+    _launch(x, q, bias, y, False, scale=scale, k_mult=k_mult)
+    return y
 
 
 def gemv_rms_norm(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,

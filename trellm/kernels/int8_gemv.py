@@ -57,7 +57,9 @@ LOCK_SLOTS = 1 << 16
 class KernelConfig:
     name: str
     kind: str
-    """'dot' (tensor cores, any M) or 'fma' (M == 1 only)."""
+    """'dot' (tensor cores, any M), 'fma' (M == 1 only) or 'gemv' (kernels/gemv.py's
+    streaming kernel in its int8 mode, M <= gemv.MAX_ROWS: its own blocks, block_k a
+    multiple of its K block, no split)."""
     block_n: int
     block_k: int
     block_m: int
@@ -90,6 +92,10 @@ CONFIGS = {c.name: c for c in (
     _cfg("s64k128", "dot", 64, 128, 16, 4, 4, 4),
     _cfg("f16k512", "fma", 16, 512, 1, 4, 1, 6),
     _cfg("f32k512", "fma", 32, 512, 1, 4, 1, 4),
+    # kernels/gemv.py's layout (the bf16 GEMV's: a program streams whole rows, no split, no
+    # reduce, the next block loaded a step ahead under PDL); block_k: its K block x 1 or 2.
+    _cfg("v1", "gemv", 0, 1, 1, 4, 1, 0),
+    _cfg("v2", "gemv", 0, 2, 1, 4, 1, 0),
     # More rows: weight-bound up to ~100 rows on an H200, then compute-bound tiles (split
     # only while the tiles alone do not fill the SMs once).
     _cfg("m32k128", "dot", 64, 128, 32, 4, 4, 2, swap=False),
@@ -104,11 +110,18 @@ SKINNY_ROWS = 16
 def candidates(rows: int) -> list[str]:
     """The config names worth timing at this row count."""
     if rows <= SKINNY_ROWS:
-        names = [n for n, c in CONFIGS.items() if c.block_m <= 16 and (c.kind == "dot" or rows == 1)]
+        names = [n for n, c in CONFIGS.items() if c.block_m <= 16 and _takes(c, rows)]
         return names + (["m32k128"] if rows > 8 else [])
     if rows <= 64:
         return ["m32k128", "m64k64", "n64k128", "g128k64"]
     return ["m64k64", "g128k64", "sg128k64"]
+
+
+def _takes(cfg: KernelConfig, rows: int) -> bool:
+    """Whether a config runs this many rows (fma: one; gemv: up to gemv.MAX_ROWS)."""
+    from trellm.kernels.gemv import MAX_ROWS
+
+    return cfg.kind == "dot" or rows == 1 or (cfg.kind == "gemv" and rows <= MAX_ROWS)
 
 
 def default_config(rows: int) -> KernelConfig:
@@ -293,8 +306,12 @@ def int8_linear_triton(x2: torch.Tensor, q: torch.Tensor, scale: torch.Tensor, b
     if m == 0 or n == 0:
         return out
     cfg = CONFIGS[config] if isinstance(config, str) else config or get_dispatch().config_for(n, kd, m)
-    if cfg.kind == "fma" and m != 1:
-        raise ValueError(f"config {cfg.name} takes one row, got {m}")
+    if not _takes(cfg, m):
+        raise ValueError(f"config {cfg.name} takes {'one row' if cfg.kind == 'fma' else 'fewer rows'}, got {m}")
+    if cfg.kind == "gemv":
+        from trellm.kernels.gemv import gemv_int8
+
+        return gemv_int8(x2, q, scale, bias, k_mult=cfg.block_k)
     n_tiles, m_tiles = triton.cdiv(n, cfg.block_n), triton.cdiv(m, cfg.block_m)
     steps = triton.cdiv(kd, cfg.block_k)
     splits, per = _split_plan(steps, n_tiles * m_tiles, cfg, x2.device)
@@ -404,7 +421,7 @@ class Int8Dispatch:
             up = [r for r in self.rows if r >= m]
             name = self.picks.get(_key(n, k, up[0])) if up else None
         cfg = CONFIGS.get(name) if name else None
-        return cfg if cfg is not None and (cfg.kind == "dot" or m == 1) else default_config(m)
+        return cfg if cfg is not None and _takes(cfg, m) else default_config(m)
 
     def calibrate(self, weights: list[tuple[torch.Tensor, torch.Tensor]], rows: tuple[int, ...] | None = None,
                   names: list[str] | None = None) -> "Int8Dispatch":
@@ -436,7 +453,7 @@ def time_configs(x: torch.Tensor, copies: list[torch.Tensor], scale: torch.Tenso
     """Microseconds per call of each config (cycling through ``copies``); failures skipped."""
     times = {}
     for name in names:
-        if CONFIGS[name].kind == "fma" and x.shape[0] != 1:
+        if not _takes(CONFIGS[name], x.shape[0]):
             continue
         calls = [lambda w=w: int8_linear_triton(x, w, scale, None, config=name) for w in copies]
         try:
