@@ -30,8 +30,8 @@
 #      the EXL3 kernel tests with PDL on, the engine at 4.0 bpw with PDL on and off.
 #   n: the RMSNorm fused into the qkv / gate_up GEMV (TRELLM_GEMV_NORM): its GPU kernel tests
 #      (and the decode attention / RoPE ones: metadata read before the PDL wait), issue 4's
-#      correctness checks with it on, and the whole-engine A/B base / norm /
-#      norm-forcenorm (greedy tokens compared with base's) (~8 min).
+#      correctness checks with it on, the whole-engine A/B base / norm-forcenorm (greedy
+#      tokens compared with base's), then the int8 engine (the v1 / v2 candidates) (~9.5 min).
 #   v: the bf16 decode graphs of Qwen3-0.6B and the 8B profiled kernel by kernel, defaults and
 #      TRELLM_GEMV_NORM=1 (scripts/gpu_overhead.py --profile, ~4 min).
 #   z: l on an H200, y on any other card (a call that may get either); w: l on an H200, n on
@@ -98,14 +98,16 @@ v)
     done
     ;;
 n)
-    mkdir -p "$out/ab" "$out/normcheck"
-    timeout 150 python3 -m pytest -q -p no:cacheprovider tests/kernels/test_gemv.py tests/kernels/test_paged_attention.py \
-        tests/kernels/test_norm_act_rope.py -k "rms_norm or norm_linear or pdl_mode or decode or rope or write_kv" \
-        2>&1 | tail -2
-    TRELLM_GEMV_NORM=1 timeout 130 python3 scripts/gpu_bench.py --configs .gpu --stages correctness \
+    mkdir -p "$out/ab" "$out/normcheck" "$out/int8"
+    timeout 170 python3 -m pytest -q -p no:cacheprovider tests/kernels/test_gemv.py tests/kernels/test_paged_attention.py \
+        tests/kernels/test_norm_act_rope.py tests/kernels/test_int8_gemv.py \
+        -k "rms_norm or norm_linear or pdl_mode or decode or rope or write_kv or int8" 2>&1 | tail -2
+    TRELLM_GEMV_NORM=1 timeout 120 python3 scripts/gpu_bench.py --configs .gpu --stages correctness \
         --out "$out/normcheck" 2>&1 | tail -4
-    timeout 270 python3 scripts/gpu_pdl_ab.py --configs .gpu --out "$out/ab" --budget 260 --repeats 2 \
-        --variants base,norm,norm-forcenorm 2>&1 | tail -7
+    timeout 170 python3 scripts/gpu_pdl_ab.py --configs .gpu --out "$out/ab" --budget 160 --repeats 2 \
+        --variants base,norm-forcenorm 2>&1 | tail -5
+    timeout 100 python3 scripts/gpu_exl3_check.py --out "$out/int8" --stages engine --budget 90 --engines int8 \
+        2>&1 | tail -3
     ;;
 y)
     mkdir -p "$out/ovh" "$out/sweep"
