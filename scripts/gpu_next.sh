@@ -32,6 +32,8 @@
 #      (and the decode attention / RoPE ones: metadata read before the PDL wait), issue 4's
 #      correctness checks with it on, the whole-engine A/B base / norm-forcenorm (greedy
 #      tokens compared with base's), then the int8 engine (the v1 / v2 candidates) (~9.5 min).
+#   s: n cut to ~6.5 min for a short device budget: the GPU kernel tests of this session's
+#      changes, the correctness checks with TRELLM_GEMV_NORM=1, the A/B base / norm-forcenorm.
 #   v: the bf16 decode graphs of Qwen3-0.6B and the 8B profiled kernel by kernel, defaults and
 #      TRELLM_GEMV_NORM=1 (scripts/gpu_overhead.py --profile, ~4 min).
 #   z: l on an H200, y on any other card (a call that may get either); w: l on an H200, n on
@@ -40,7 +42,7 @@
 #      (scripts/gpu_gemv_layers.py), then scripts/gpu_pdl_ab.py (whole-engine A/B, Qwen3-0.6B
 #      and 8B single stream), then the GEMV kernel tests; writes the best env-settable
 #      variant to /tmp/trellm-pick.env (stage l's engine checks then run under it).
-# Usage: OUT=... [PICK=1] scripts/gpu_next.sh a|b|c|d|e|f|g|h|i|j|k|l|m|n|o|p|q|r|v|w|x|y|z
+# Usage: OUT=... [PICK=1] scripts/gpu_next.sh a|b|c|d|e|f|g|h|i|j|k|l|m|n|o|p|q|r|s|v|w|x|y|z
 # Carry .whl (../shared/gpu/wheels.sh) and .gpu (../shared/gpu/configs/*.json copied in).
 set -uo pipefail
 out=${OUT:-/tmp/gpu-next}; mkdir -p "$out"
@@ -96,6 +98,16 @@ v)
         TRELLM_GEMV_NORM=$norm timeout 120 python3 scripts/gpu_overhead.py .gpu/qwen3-0.6b.json:1 .gpu/llama-3.1-8b.json:1 \
             --steps 50 --profile --out "$out/ovh-norm$norm" 2>&1 | grep -vE "^ +\{" | grep -E "K |tok_s|<-" | cut -c1-200 | tail -60
     done
+    ;;
+s)
+    mkdir -p "$out/ab" "$out/normcheck"
+    timeout 110 python3 -m pytest -q -p no:cacheprovider tests/kernels/test_gemv.py tests/kernels/test_paged_attention.py \
+        tests/kernels/test_norm_act_rope.py tests/kernels/test_int8_gemv.py \
+        -k "rms_norm or pdl_mode or test_decode or rope or every_config" 2>&1 | tail -2
+    TRELLM_GEMV_NORM=1 timeout 110 python3 scripts/gpu_bench.py --configs .gpu --stages correctness \
+        --out "$out/normcheck" 2>&1 | tail -4
+    timeout 160 python3 scripts/gpu_pdl_ab.py --configs .gpu --out "$out/ab" --budget 150 --repeats 1 \
+        --variants base,norm-forcenorm 2>&1 | tail -5
     ;;
 n)
     mkdir -p "$out/ab" "$out/normcheck" "$out/int8"
