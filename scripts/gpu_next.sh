@@ -103,7 +103,7 @@ s)
     mkdir -p "$out/ab" "$out/normcheck"
     timeout 110 python3 -m pytest -q -p no:cacheprovider tests/kernels/test_gemv.py tests/kernels/test_paged_attention.py \
         tests/kernels/test_norm_act_rope.py tests/kernels/test_int8_gemv.py \
-        -k "rms_norm or pdl_mode or test_decode or rope or every_config" 2>&1 | tail -2
+        -k "(rms_norm and (bfloat16 or rejects)) or test_decode_fused or rope_with_fused or every_config" 2>&1 | tail -2
     TRELLM_GEMV_NORM=1 timeout 110 python3 scripts/gpu_bench.py --configs .gpu --stages correctness \
         --out "$out/normcheck" 2>&1 | tail -4
     timeout 160 python3 scripts/gpu_pdl_ab.py --configs .gpu --out "$out/ab" --budget 150 --repeats 1 \
