@@ -34,6 +34,7 @@
 #      tokens compared with base's), then the int8 engine (the v1 / v2 candidates) (~9.5 min).
 #   s: n cut to ~6.5 min for a short device budget: the GPU kernel tests of this session's
 #      changes, the correctness checks with TRELLM_GEMV_NORM=1, the A/B base / norm-forcenorm.
+#   t: s without the kernel tests (~4 min).
 #   v: the bf16 decode graphs of Qwen3-0.6B and the 8B profiled kernel by kernel, defaults and
 #      TRELLM_GEMV_NORM=1 (scripts/gpu_overhead.py --profile, ~4 min).
 #   z: l on an H200, y on any other card (a call that may get either); w: l on an H200, n on
@@ -42,7 +43,7 @@
 #      (scripts/gpu_gemv_layers.py), then scripts/gpu_pdl_ab.py (whole-engine A/B, Qwen3-0.6B
 #      and 8B single stream), then the GEMV kernel tests; writes the best env-settable
 #      variant to /tmp/trellm-pick.env (stage l's engine checks then run under it).
-# Usage: OUT=... [PICK=1] scripts/gpu_next.sh a|b|c|d|e|f|g|h|i|j|k|l|m|n|o|p|q|r|s|v|w|x|y|z
+# Usage: OUT=... [PICK=1] scripts/gpu_next.sh a|b|c|d|e|f|g|h|i|j|k|l|m|n|o|p|q|r|s|t|v|w|x|y|z
 # Carry .whl (../shared/gpu/wheels.sh) and .gpu (../shared/gpu/configs/*.json copied in).
 set -uo pipefail
 out=${OUT:-/tmp/gpu-next}; mkdir -p "$out"
@@ -99,9 +100,9 @@ v)
             --steps 50 --profile --out "$out/ovh-norm$norm" 2>&1 | grep -vE "^ +\{" | grep -E "K |tok_s|<-" | cut -c1-200 | tail -60
     done
     ;;
-s)
+s|t)
     mkdir -p "$out/ab" "$out/normcheck"
-    timeout 110 python3 -m pytest -q -p no:cacheprovider tests/kernels/test_gemv.py tests/kernels/test_paged_attention.py \
+    [ "$stage" = t ] || timeout 110 python3 -m pytest -q -p no:cacheprovider tests/kernels/test_gemv.py tests/kernels/test_paged_attention.py \
         tests/kernels/test_norm_act_rope.py tests/kernels/test_int8_gemv.py \
         -k "(rms_norm and (bfloat16 or rejects)) or test_decode_fused or rope_with_fused or every_config" 2>&1 | tail -2
     TRELLM_GEMV_NORM=1 timeout 110 python3 scripts/gpu_bench.py --configs .gpu --stages correctness \
