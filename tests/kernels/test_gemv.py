@@ -247,3 +247,48 @@ def test_gemv_compiles_for_sm90():
     out = subprocess.run([sys.executable, "-c", _COMPILE_SCRIPT], env=env, capture_output=True, text=True,
                          timeout=600)
     assert out.returncode == 0 and "compiled" in out.stdout, out.stderr[-2000:]
+
+
+def test_fused_forward_with_the_norm_in_every_gemv_keeps_greedy_tokens(tmp_path, device):
+    """A tiny random Llama (qkv bias, so the fused path's bias is covered), greedy decode
+    through the model's fused path, first with the norm kernels (the kernels' references on
+    the CPU), then with gemv_rms_norm picked for every qkv / gate_up shape at 1-8 rows
+    (decode steps; prefill chunks stay unfused): the same tokens."""
+    import json
+
+    from trellm import LLM, SamplingParams
+    from trellm.kernels import fused_ops
+
+    cfg = {"architectures": ["Qwen2ForCausalLM"], "hidden_size": 64, "intermediate_size": 96,
+           "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2, "vocab_size": 256,
+           "max_position_embeddings": 256, "rms_norm_eps": 1e-6, "rope_theta": 10000.0, "torch_dtype": "float32"}
+    path = tmp_path / "tiny.json"
+    path.write_text(json.dumps(cfg))
+    llm = LLM(f"dummy:{path}", dtype="float32", device=str(device), quantization="none", max_model_len=128,
+              kv_cache_memory=16 << 20, enable_prefix_caching=False)
+    runner = llm.engine.worker.runner
+    runner.graphs = None  # eager steps: the dispatch below is read at each call
+    runner.ops = fused_ops(device, prefer_reference=device.type == "cpu")
+    params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
+    prompts = [[5, 17, 99, 3], [200, 1, 42]]
+
+    def tokens():
+        return [o.outputs[0].token_ids for o in llm.generate([{"prompt_token_ids": p} for p in prompts], params)]
+
+    want = tokens()
+    model = runner.model
+    d = GemvDispatch()
+    for layer in model.layers:
+        for lin in (layer.self_attn.qkv_proj, layer.mlp.gate_up_proj):
+            d.use_norm.update({(lin.weight.shape[0], lin.weight.shape[1], m): True for m in range(1, 9)})
+            lin.method.gemv_dispatch = d
+    calls = []
+    import trellm.model.llama as llama
+
+    real = llama.gemv_rms_norm
+    llama.gemv_rms_norm = lambda *a: calls.append(a[0].shape[0]) or real(*a)
+    try:
+        assert tokens() == want
+    finally:
+        llama.gemv_rms_norm = real
+    assert calls and min(calls) <= 2, "decode steps did not take gemv_rms_norm"
