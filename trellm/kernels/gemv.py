@@ -134,10 +134,19 @@ def _gemv_kernel(x_ptr, w_ptr, b_ptr, y_ptr, M, N, K, stride_xm, stride_wn, stri
             x = _load_x(x_ptr, offs_m, offs_k, m_mask, k_mask, stride_xm, K, GLU)
         acc += x.to(tl.float32)[:, None, :] * _w_f32(w, W_INT8)[None, :, :]
     y += tl.sum(acc, axis=2)
+    ss = tl.sum(sq, axis=1)
+    if PRE_K > 0 and NORM:
+        ss += sq_pre
+    _epilogue(y, ss, offs_m, offs_n, m_mask, n_mask, K, eps, scale_ptr, b_ptr, y_ptr, stride_ym,
+              HAS_BIAS, NORM, W_INT8)
+
+
+@triton.jit
+def _epilogue(y, ss, offs_m, offs_n, m_mask, n_mask, K, eps, scale_ptr, b_ptr, y_ptr, stride_ym,
+              HAS_BIAS: tl.constexpr, NORM: tl.constexpr, W_INT8: tl.constexpr):
+    """y [BLOCK_M, BLOCK_N] (float32 sums) -> y_ptr: times 1 / rms of each row (NORM; ss its
+    sum of squares), times the int8 scale (W_INT8), plus the bias; one rounding."""
     if NORM:
-        ss = tl.sum(sq, axis=1)
-        if PRE_K > 0:
-            ss += sq_pre
         y = y * (1.0 / tl.sqrt(ss / K + eps))[:, None]
     if W_INT8:
         y = y * tl.load(scale_ptr + offs_n, mask=n_mask, other=0.0)[None, :]
