@@ -68,6 +68,16 @@ pdl_exl3_sweep() {  # $1: PDL 1 / 0
     TRELLM_PDL=$1 timeout 120 python3 scripts/gpu_exl3_sweep.py --out "$out/sweep-$tag" --budget 110 \
         --combos 4:mul1 --layer-only --variants row-8x4-asm-aff,mma-8x2-aff-pps8-fo 2>&1 | grep -E "checks|best at"
 }
+norm_checks() {  # $1: kernel-test limit (0: none), $2: correctness limit, $3: A/B budget, $4: repeats, $5: -k
+    mkdir -p "$out/ab" "$out/normcheck"
+    [ "$1" = 0 ] || timeout "$1" python3 -m pytest -q -p no:cacheprovider tests/kernels/test_gemv.py \
+        tests/kernels/test_paged_attention.py tests/kernels/test_norm_act_rope.py tests/kernels/test_int8_gemv.py \
+        -k "$5" 2>&1 | tail -2
+    TRELLM_GEMV_NORM=1 timeout "$2" python3 scripts/gpu_bench.py --configs .gpu --stages correctness \
+        --out "$out/normcheck" 2>&1 | tail -4
+    timeout $(( $3 + 10 )) python3 scripts/gpu_pdl_ab.py --configs .gpu --out "$out/ab" --budget "$3" --repeats "$4" \
+        --variants base,norm-forcenorm 2>&1 | tail -5
+}
 pick_variant() {  # the best env-settable variant of $out/ab/gpu-pdl-ab.json -> /tmp/trellm-pick.env
     rm -f /tmp/trellm-pick.env
     python3 - "$out/ab/gpu-pdl-ab.json" <<'PY'
@@ -101,24 +111,12 @@ v)
     done
     ;;
 s|t)
-    mkdir -p "$out/ab" "$out/normcheck"
-    [ "$stage" = t ] || timeout 110 python3 -m pytest -q -p no:cacheprovider tests/kernels/test_gemv.py tests/kernels/test_paged_attention.py \
-        tests/kernels/test_norm_act_rope.py tests/kernels/test_int8_gemv.py \
-        -k "(rms_norm and (bfloat16 or rejects)) or test_decode_fused or rope_with_fused or every_config" 2>&1 | tail -2
-    TRELLM_GEMV_NORM=1 timeout 110 python3 scripts/gpu_bench.py --configs .gpu --stages correctness \
-        --out "$out/normcheck" 2>&1 | tail -4
-    timeout 160 python3 scripts/gpu_pdl_ab.py --configs .gpu --out "$out/ab" --budget 150 --repeats 1 \
-        --variants base,norm-forcenorm 2>&1 | tail -5
+    tests=$([ "$stage" = t ] && echo 0 || echo 110)
+    norm_checks "$tests" 110 150 1 "(rms_norm and (bfloat16 or rejects)) or test_decode_fused or rope_with_fused or every_config"
     ;;
 n)
-    mkdir -p "$out/ab" "$out/normcheck" "$out/int8"
-    timeout 170 python3 -m pytest -q -p no:cacheprovider tests/kernels/test_gemv.py tests/kernels/test_paged_attention.py \
-        tests/kernels/test_norm_act_rope.py tests/kernels/test_int8_gemv.py \
-        -k "rms_norm or norm_linear or pdl_mode or decode or rope or write_kv or int8" 2>&1 | tail -2
-    TRELLM_GEMV_NORM=1 timeout 120 python3 scripts/gpu_bench.py --configs .gpu --stages correctness \
-        --out "$out/normcheck" 2>&1 | tail -4
-    timeout 170 python3 scripts/gpu_pdl_ab.py --configs .gpu --out "$out/ab" --budget 160 --repeats 2 \
-        --variants base,norm-forcenorm 2>&1 | tail -5
+    norm_checks 170 120 160 2 "rms_norm or norm_linear or pdl_mode or decode or rope or write_kv or int8"
+    mkdir -p "$out/int8"
     timeout 100 python3 scripts/gpu_exl3_check.py --out "$out/int8" --stages engine --budget 90 --engines int8 \
         2>&1 | tail -3
     ;;

@@ -69,10 +69,16 @@ def _norm_x(x_ptr, res_ptr, nw_ptr, ro_ptr, offs_m, offs_k, m_mask, k_mask, stri
 
 
 @triton.jit
+def _int8_to_f32(q):
+    # int8 -> float32 without the quarter-rate int-to-float conversion: the float32
+    # with bits 0x4B000000 + (q + 128) is 2^23 + q + 128, exactly. (int8_gemv's kernels too.)
+    return (q.to(tl.int32) + 0x4B000080).to(tl.float32, bitcast=True) - 8388736.0
+
+
+@triton.jit
 def _w_f32(w, W_INT8: tl.constexpr):
     if W_INT8:
-        # int8_gemv._int8_to_f32's exact trick (no quarter-rate int-to-float conversion).
-        return (w.to(tl.int32) + 0x4B000080).to(tl.float32, bitcast=True) - 8388736.0
+        return _int8_to_f32(w)
     return w.to(tl.float32)
 
 

@@ -44,7 +44,8 @@ import torch
 import torch.nn.functional as F
 
 from trellm.kernels._triton import tl, triton, pdl_begin, pdl_kwargs
-from trellm.kernels.gemv import graph_time_us, l2_copies  # noqa: F401 (graph_time_us: scripts use it from here)
+# graph_time_us: scripts use it from here.
+from trellm.kernels.gemv import _int8_to_f32, graph_time_us, l2_copies  # noqa: F401
 from trellm.kernels.paged_attention import _num_sms
 
 log = logging.getLogger("trellm")
@@ -131,13 +132,6 @@ def default_config(rows: int) -> KernelConfig:
 
 
 # ---- kernels ------------------------------------------------------------------------------------
-
-@triton.jit
-def _int8_to_f32(q):
-    # int8 -> float32 without the quarter-rate int-to-float conversion: the float32
-    # with bits 0x4B000000 + (q + 128) is 2^23 + q + 128, exactly.
-    return (q.to(tl.int32) + 0x4B000080).to(tl.float32, bitcast=True) - 8388736.0
-
 
 @triton.jit
 def _store_out(acc, n, m, nmask, mmask, scale_ptr, bias_ptr, out_ptr, stride_o, HAS_BIAS: tl.constexpr):
