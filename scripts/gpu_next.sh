@@ -37,13 +37,17 @@
 #   t: s without the kernel tests (~4 min).
 #   v: the bf16 decode graphs of Qwen3-0.6B and the 8B profiled kernel by kernel, defaults and
 #      TRELLM_GEMV_NORM=1 (scripts/gpu_overhead.py --profile, ~4 min).
+#   fx: exl3_mma with x in A-fragment order (FastConfig.frag_x): its GPU kernel tests, the layer
+#      sweep at 1 / 8 / 32 rows against the default, the engine at 4.0 bpw with the fx variants
+#      for 2-32 rows (aggregate at 32 concurrent), then int8's engine (the v1 / v2 candidates).
+#   u: l on an H200, fx on any other card.
 #   z: l on an H200, y on any other card (a call that may get either); w: l on an H200, n on
 #      any other card.
 #   m: the early PDL trigger and the GEMV weight prefetch: a token's linears in one graph
 #      (scripts/gpu_gemv_layers.py), then scripts/gpu_pdl_ab.py (whole-engine A/B, Qwen3-0.6B
 #      and 8B single stream), then the GEMV kernel tests; writes the best env-settable
 #      variant to /tmp/trellm-pick.env (stage l's engine checks then run under it).
-# Usage: OUT=... [PICK=1] scripts/gpu_next.sh a|b|c|d|e|f|g|h|i|j|k|l|m|n|o|p|q|r|s|t|v|w|x|y|z
+# Usage: OUT=... [PICK=1] scripts/gpu_next.sh a|b|c|d|e|f|g|h|i|j|k|l|m|n|o|p|q|r|s|t|u|v|w|x|y|z|fx
 # Carry .whl (../shared/gpu/wheels.sh) and .gpu (../shared/gpu/configs/*.json copied in).
 set -uo pipefail
 out=${OUT:-/tmp/gpu-next}; mkdir -p "$out"
@@ -97,12 +101,26 @@ if base:
 PY
 }
 stage=${1:-a}
-if [ "$stage" = z ] || [ "$stage" = w ]; then
-    other=$([ "$stage" = z ] && echo y || echo n)
+if [ "$stage" = z ] || [ "$stage" = w ] || [ "$stage" = u ]; then
+    other=$(case $stage in z) echo y;; w) echo n;; u) echo fx;; esac)
     stage=$(nvidia-smi --query-gpu=name --format=csv,noheader | grep -q H200 && echo l || echo "$other")
     echo "-> stage $stage"
 fi
 case "$stage" in
+fx)
+    mkdir -p "$out/sweep" "$out/exl3-fx" "$out/exl3-fx32" "$out/int8"
+    timeout 120 python3 -m pytest -q -p no:cacheprovider tests/kernels/test_exl3_kernels.py \
+        -k "fragment_order or (mma and plain and (4-mul1 or 2-mcg or 3-3inst))" 2>&1 | tail -2
+    timeout 160 python3 scripts/gpu_exl3_sweep.py --out "$out/sweep" --budget 150 --combos 4:mul1 --layer-only \
+        --variants row-8x4-asm-aff,mma-8x2-aff-pps8-fo,mma-8x2-aff-pps8-fo-fx,mma-16x2-aff-fo-fx,mma-8x4-aff-fo-fx,mma-8x2-aff-bm32-fo-fx,mma-8x2-aff-pps8-bm32-fo-fx,mma-8x4-aff-bm32-fo-fx \
+        2>&1 | grep -E "checks|best at" | tail -4
+    timeout 90 python3 scripts/gpu_exl3_check.py --out "$out/exl3-fx" --stages engine --budget 80 --engines "exl3 4" \
+        --gemv mma-8x2-aff-pps8-fo-fx --gemv-max-rows 32 2>&1 | tail -2
+    timeout 90 python3 scripts/gpu_exl3_check.py --out "$out/exl3-fx32" --stages engine --budget 80 --engines "exl3 4" \
+        --gemv mma-8x2-aff-pps8-bm32-fo-fx --gemv-max-rows 32 2>&1 | tail -2
+    timeout 90 python3 scripts/gpu_exl3_check.py --out "$out/int8" --stages engine --budget 80 --engines int8 \
+        2>&1 | tail -2
+    ;;
 v)
     for norm in 0 1; do
         mkdir -p "$out/ovh-norm$norm"

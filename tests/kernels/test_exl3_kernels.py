@@ -196,6 +196,12 @@ MMA_ROWS = [
     (33, FastConfig(tk=4, tn=8, warps=1, dot=False, mma=True, affine=True)),
     (40, FastConfig(tk=8, tn=2, warps=2, dot=False, mma=True, affine=True, block_m=32)),
     (40, FastConfig(tk=8, tn=2, warps=2, dot=False, mma=True, affine=True, block_m=32, fuse_out=True)),
+    # frag_x: x in A-fragment order (rows past M zero, no row masks)
+    (1, FastConfig(tk=8, tn=4, dot=False, mma=True, affine=True, asm=True, frag_x=True)),
+    (3, FastConfig(tk=16, tn=2, dot=False, mma=True, frag_x=True)),
+    (16, FastConfig(tk=8, tn=4, warps=2, dot=False, mma=True, affine=True, frag_x=True)),
+    (33, FastConfig(tk=4, tn=8, warps=1, dot=False, mma=True, affine=True, frag_x=True)),
+    (40, FastConfig(tk=8, tn=2, warps=2, dot=False, mma=True, affine=True, block_m=32, fuse_out=True, frag_x=True)),
 ]
 
 
@@ -214,6 +220,8 @@ MMA_PF_ROWS = [
     (40, FastConfig(tk=8, tn=2, warps=2, dot=False, mma=True, affine=True, block_m=32, prefetch=True)),
     (1, FastConfig(tk=8, tn=4, dot=False, mma=True, affine=True, programs_per_sm=1, prefetch=2)),
     (3, FastConfig(tk=16, tn=2, dot=False, mma=True, programs_per_sm=1, prefetch=2)),
+    (40, FastConfig(tk=8, tn=2, warps=2, dot=False, mma=True, affine=True, block_m=32, prefetch=True, frag_x=True)),
+    (3, FastConfig(tk=16, tn=2, dot=False, mma=True, programs_per_sm=1, prefetch=2, frag_x=True)),
 ]
 
 
@@ -225,6 +233,23 @@ def test_mma_every_codebook_and_rows(bits, codebook, cases, device):
     f = exl3_fast.fuse([w])
     for rows, cfg in cases:
         _check_fast(f, rows, cfg, seed=rows)
+
+
+@pytest.mark.parametrize("rows", [1, 16, 21])
+def test_input_transform_in_fragment_order(rows, device):
+    # Two parts (suh differ), 200 inputs padded to 256: each part's rows, rounded up to 16
+    # and in _frag_offsets' order, equal the plain transform's (rows past M zero).
+    parts = [qt.exl3_weight(200, o, 4, "mul1", device, seed=o) for o in (256, 128)]
+    f = exl3_fast.fuse(parts)
+    x = torch.randn(rows, 200, generator=torch.Generator().manual_seed(rows)).to(device)
+    padded = 16 * -(-rows // 16)
+    got = exl3_fast.fast_input_transform(f, x, torch.float16, padded)
+    plain = exl3_fast.fast_input_transform(f, x, torch.float16)
+    assert got.shape == (2, padded, f.padded_in)
+    for p in range(2):
+        want = torch.zeros(padded, f.padded_in, dtype=torch.float16, device=x.device)
+        want[:rows] = plain[p]
+        assert torch.equal(got[p].reshape(-1), exl3_decode.fragment_order_ref(want))
 
 
 def test_mma_merged_parts_and_dispatch(device):
@@ -249,6 +274,8 @@ def test_mma_merged_parts_and_dispatch(device):
         exl3_fast.fast_matmul(f, torch.zeros(1, 200, device=device), FastConfig(tk=4, dot=False, prefetch=True))
     with pytest.raises(ValueError, match="prefetch"):
         exl3_fast.fast_matmul(f, torch.zeros(1, 200, device=device), FastConfig(tk=4, dot=False, mma=True, prefetch=3))
+    with pytest.raises(ValueError, match="frag_x"):
+        exl3_fast.fast_matmul(f, torch.zeros(1, 200, device=device), FastConfig(tk=4, dot=False, frag_x=True))
 
 
 def test_fast_merged_parts_unpadded_bias_dtypes(device):

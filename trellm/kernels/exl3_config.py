@@ -41,6 +41,10 @@ class FastConfig:
     current step is decoded (software-pipelined K loop, carried through it per slice).
     True or 1: one step ahead; 2: two steps ahead (ptxas sinks the loads to the loop's end,
     so only 2 keeps a whole step between load and use; more registers); 0 / False: off."""
+    frag_x: bool = False
+    """With mma: the input transform writes x in mma A-fragment order ([row block, tile row,
+    register, lane] words, rows past M zero), so a warp's A loads are 128 contiguous bytes
+    each instead of 8 rows' 16 bytes (one L1 wavefront instead of eight); no row masks."""
     programs_per_sm: int = 4
     block_m: int = 16
     """Rows per program for the dot (16..64; M above it takes several row blocks)."""

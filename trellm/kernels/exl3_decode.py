@@ -321,9 +321,12 @@ def exl3_output_transform_ref(w: EXL3Weight, partials: torch.Tensor, dtype: torc
 
 # ---- the same for all parts of a merged layer at once (exl3_fast.EXL3Fused) ---------------------
 
-@triton.jit(do_not_specialize=["M", "n_in"])
-def _in_kernel(x_ptr, suh_ptr, out_ptr, M, n_in, in_p, stride_x, BM: tl.constexpr, PDL: tl.constexpr = False):
-    """out[part, m, :] = had_r_128(pad(x[m]) * suh[part]). Grid: (row blocks, in_p / 128, parts)."""
+@triton.jit(do_not_specialize=["M", "n_in", "rows_p"])
+def _in_kernel(x_ptr, suh_ptr, out_ptr, M, n_in, in_p, stride_x, rows_p, BM: tl.constexpr, FRAG: tl.constexpr = False,
+               PDL: tl.constexpr = False):
+    """out[part, m, :] = had_r_128(pad(x[m]) * suh[part]) for rows_p rows a part (M, or with
+    FRAG a multiple of 16: rows past M zero, every 16 x 128 block stored in mma A-fragment
+    order, ``_frag_offsets``; BM 16). Grid: (row blocks, in_p / 128, parts)."""
     pdl_begin(PDL)
     part = tl.program_id(2)
     rows = tl.program_id(0) * BM + tl.arange(0, BM)
@@ -332,8 +335,34 @@ def _in_kernel(x_ptr, suh_ptr, out_ptr, M, n_in, in_p, stride_x, BM: tl.constexp
                 mask=(rows[:, None] < M) & (cols[None, :] < n_in), other=0.0).to(tl.float32)
     x = x * tl.load(suh_ptr + part * in_p + cols).to(tl.float32)[None, :]
     y = tl.dot(x, _hadamard_signs(), input_precision="tf32x3") * 0.08838834764831845
-    out = out_ptr + (part * M).to(tl.int64) * in_p + rows[:, None].to(tl.int64) * in_p + cols[None, :]
-    tl.store(out, y.to(out_ptr.dtype.element_ty), mask=rows[:, None] < M)
+    out = out_ptr + (part * rows_p).to(tl.int64) * in_p
+    if FRAG:
+        tl.store(out + _frag_offsets(tl.program_id(0), tl.program_id(1), in_p), y.to(out_ptr.dtype.element_ty))
+    else:
+        out += rows[:, None].to(tl.int64) * in_p + cols[None, :]
+        tl.store(out, y.to(out_ptr.dtype.element_ty), mask=rows[:, None] < M)
+
+
+@triton.jit
+def _frag_offsets(rb, cb, in_p):
+    """Element offsets [16, 128] of rows 16 rb.. and columns 128 cb.. of x in mma A-fragment
+    order: x[16 rb + 8 h + g, 16 tk + 2 (4 q + t) + i] (fp16; word 4 q + t of the tile row)
+    goes to word ((rb TI + tk) 4 + h + 2 q) 32 + 4 g + t, half i (TI = in_p / 16 tile rows):
+    register a0..a3 (h + 2 q) of lane 4 g + t, so a warp reads each register as 128
+    contiguous bytes (exl3_mma's FRAG loads)."""
+    r = tl.arange(0, 16)[:, None]
+    c = tl.arange(0, 128)[None, :]
+    tk = cb * 8 + c // 16
+    wd = (c % 16) // 2
+    word = ((rb * (in_p // 16) + tk) * 4 + r // 8 + 2 * (wd // 4)) * 32 + 4 * (r % 8) + wd % 4
+    return word.to(tl.int64) * 2 + c % 2
+
+
+def fragment_order_ref(x: torch.Tensor) -> torch.Tensor:
+    """x [rows (a multiple of 16), in_p] -> the same values in _frag_offsets' order, flat."""
+    rows, in_p = x.shape
+    v = x.reshape(rows // 16, 2, 8, in_p // 16, 2, 4, 2)  # rb, h, g, tk, q, t, i
+    return v.permute(0, 3, 4, 1, 2, 5, 6).reshape(-1)  # rb, tk, q, h, g, t, i
 
 
 @triton.jit(do_not_specialize=["M", "splits"])

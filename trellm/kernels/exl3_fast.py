@@ -385,16 +385,22 @@ def _check(cfg: FastConfig, m: int) -> None:
         raise ValueError(f"fuse_out is a mode of the mma kernel, got {cfg}")
     if cfg.prefetch not in (0, 1, 2) or (cfg.prefetch and not cfg.mma):
         raise ValueError(f"prefetch (0 / False, 1 / True or 2 steps) is a mode of the mma kernel, got {cfg}")
+    if cfg.frag_x and not cfg.mma:
+        raise ValueError(f"frag_x is a mode of the mma kernel, got {cfg}")
     if cfg.mma and (cfg.dot or cfg.row or cfg.split or cfg.tk % cfg.warps):
         raise ValueError(f"mma is its own kernel (dot, row, split off; warps dividing tk), got {cfg}")
 
 
-def fast_input_transform(f: EXL3Fused, x2: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """x2 [M, in_features] -> [parts, M, in_p]: ``had_r_128(pad(x2) * suh[part])``, one launch."""
+def fast_input_transform(f: EXL3Fused, x2: torch.Tensor, dtype: torch.dtype, frag_rows: int = 0) -> torch.Tensor:
+    """x2 [M, in_features] -> [parts, M, in_p]: ``had_r_128(pad(x2) * suh[part])``, one launch.
+    ``frag_rows`` (a multiple of 16, >= M): [parts, frag_rows, in_p] holding each part's
+    rows in mma A-fragment order instead (exl3_decode.fragment_order_ref), rows past M zero."""
     m = x2.shape[0]
-    out = torch.empty(len(f.parts), m, f.padded_in, dtype=dtype, device=x2.device)
-    grid = (triton.cdiv(m, 16), f.padded_in // HAD_SIZE, len(f.parts))
-    _in_kernel[grid](x2, f.suh, out, m, f.in_features, f.padded_in, x2.stride(0), BM=16, num_warps=8, **pdl_kwargs(gpu_checked=False))
+    rows = frag_rows or m
+    out = torch.empty(len(f.parts), rows, f.padded_in, dtype=dtype, device=x2.device)
+    grid = (triton.cdiv(rows, 16), f.padded_in // HAD_SIZE, len(f.parts))
+    _in_kernel[grid](x2, f.suh, out, m, f.in_features, f.padded_in, x2.stride(0), rows, BM=16, FRAG=frag_rows > 0,
+                     num_warps=8, **pdl_kwargs(gpu_checked=False))
     return out
 
 
@@ -414,6 +420,10 @@ def fast_partials(f: EXL3Fused, x2: torch.Tensor, cfg: FastConfig, y: torch.Tens
     bm = 16 * exl3_mma.row_blocks(cfg, m) if mma else min(cfg.block_m, max(16, _pow2(m))) if cfg.dot else 1
     if in_had:
         x, stride_xp, stride_xm = x2, 0, x2.stride(0)
+    elif mma and cfg.frag_x:  # whole row-block programs: rows rounded up to 16 per row block
+        rows = bm * triton.cdiv(m, bm)
+        x = fast_input_transform(f, x2, torch.float16, rows)
+        stride_xp, stride_xm = rows * f.padded_in, f.padded_in
     else:
         x = fast_input_transform(f, x2, torch.float16 if cfg.dot or mma else torch.float32)
         stride_xp, stride_xm = m * f.padded_in, f.padded_in

@@ -168,14 +168,15 @@ def _mma_kernel(x_ptr, w_ptr, tile_part_ptr, out_ptr, M, TI, TJS, NP, per_split,
                 K: tl.constexpr, CB: tl.constexpr, TK: tl.constexpr, TN: tl.constexpr, WARPS: tl.constexpr,
                 ROWS16: tl.constexpr, MB: tl.constexpr, EVEN_K: tl.constexpr, ASM: tl.constexpr,
                 AFF: tl.constexpr, PTX: tl.constexpr, FUSE: tl.constexpr, HAS_BIAS: tl.constexpr,
-                PF: tl.constexpr, PDL: tl.constexpr = False):
+                PF: tl.constexpr, FRAG: tl.constexpr = False, PDL: tl.constexpr = False):
     """out[split, m, block] = xh[m, the split's K rows] @ Wq[those rows, block] (float32) for
     16 MB rows m per program (MB 1 or 2 row blocks sharing each decode; ``ROWS16`` False:
     only the first 8 can be live). x: the part's transformed x as int32 words (fp16
     pairs); strides in words. Grid: (column blocks of 16 TN, splits, row blocks of 16 MB).
     ``FUSE``: the last program to finish a 128-column block also runs the output transform
     for it (``_arrive_and_finish``) into y, so no output-transform launch follows. ``PF`` > 0:
-    the K loop software-pipelined, loading PF steps ahead (``_pf_loop``)."""
+    the K loop software-pipelined, loading PF steps ahead (``_pf_loop``). ``FRAG``: x in
+    A-fragment order (exl3_decode._frag_offsets; stride_xm unused), whole row blocks."""
     pdl_begin(PDL)
     pid_n = tl.program_id(0)
     pid_s = tl.program_id(1)
@@ -184,16 +185,19 @@ def _mma_kernel(x_ptr, w_ptr, tile_part_ptr, out_ptr, M, TI, TJS, NP, per_split,
     e = tl.arange(0, 32)[:, None, None]
     w = tl.arange(0, WARPS)[None, :, None]
     m = tl.program_id(2) * (16 * MB) + e // 4  # [32, 1, 1]: lane's A row g (and g + 8; + 16 with MB 2)
-    xrow = x_ptr + m.to(tl.int64) * stride_xm + e % 4  # word 8 tk + t of row g
+    if FRAG:  # the lane's a0 word of tile row 0 of its row block
+        xrow = x_ptr + (tl.program_id(2) * MB).to(tl.int64) * TI * 128 + e
+    else:
+        xrow = x_ptr + m.to(tl.int64) * stride_xm + e % 4  # word 8 tk + t of row g
     zero = tl.zeros((32, WARPS, 1), tl.uint32)
     ones = zero + ONES
     lo = pid_s * per_split
     if PF:  # step + PF's loads issued before this step's decode
         acc, xs = _pf_loop(pa, pb, tno, sh, xrow, m, M, w, TI, TJS, stride_xm, lo, per_split, zero, ones,
-                           K, CB, TK, TN, WARPS, ROWS16, MB, EVEN_K, ASM, AFF, PTX, PF)
+                           K, CB, TK, TN, WARPS, ROWS16, MB, EVEN_K, ASM, AFF, PTX, PF, FRAG)
     else:
         acc, xs = _k_loop(pa, pb, tno, sh, xrow, m, M, w, TI, TJS, stride_xm, lo, per_split, zero, ones,
-                          K, CB, TK, TN, WARPS, ROWS16, MB, EVEN_K, ASM, AFF, PTX)
+                          K, CB, TK, TN, WARPS, ROWS16, MB, EVEN_K, ASM, AFF, PTX, FRAG)
     acc0, acc1, acc2, acc3, acc4, acc5, acc6, acc7, acc8, acc9, acc10, acc11, acc12, acc13, acc14, acc15 = acc
     xs0, xs1, xs2, xs3, xs4, xs5, xs6, xs7 = xs
     _store(out_ptr, acc0, acc1, acc2, acc3, acc4, acc5, acc6, acc7, xs0, xs2, m, M, NP, pid_n, pid_s,
@@ -212,7 +216,8 @@ def _mma_kernel(x_ptr, w_ptr, tile_part_ptr, out_ptr, M, TI, TJS, NP, per_split,
 @triton.jit
 def _k_loop(pa, pb, tno, sh, xrow, m, M, w, TI, TJS, stride_xm, lo, per_split, zero, ones, K: tl.constexpr,
             CB: tl.constexpr, TK: tl.constexpr, TN: tl.constexpr, WARPS: tl.constexpr, ROWS16: tl.constexpr,
-            MB: tl.constexpr, EVEN_K: tl.constexpr, ASM: tl.constexpr, AFF: tl.constexpr, PTX: tl.constexpr):
+            MB: tl.constexpr, EVEN_K: tl.constexpr, ASM: tl.constexpr, AFF: tl.constexpr, PTX: tl.constexpr,
+            FRAG: tl.constexpr):
     """_mma_kernel's K loop: per K step and slice of WARPS tile rows, its loads (``_pf_load``),
     then its decode and mmas (``_pf_mma``). Returns (the 16 C tensors: columns 0-7 rows g
     (0, 1) and g + 8 (2, 3), columns 8-15 (4-7), MB 2's second row block (8-15); the 8 x
@@ -227,16 +232,17 @@ def _k_loop(pa, pb, tno, sh, xrow, m, M, w, TI, TJS, stride_xm, lo, per_split, z
     row_words = TJS.to(tl.int64) * (8 * K)
     pa_s = pa + lo.to(tl.int64) * (TK * row_words)
     pb_s = pb + lo.to(tl.int64) * (TK * row_words)
-    xp_s = xrow + 8 * (w + lo * TK)
+    XT: tl.constexpr = 128 if FRAG else 8  # x words from one tile row to the next
+    xp_s = xrow + XT * (w + lo * TK)
     for step in range(lo, tl.minimum(lo + per_split, tl.cdiv(TI, TK))):
         for i in tl.static_range(TK // WARPS):
             so = (i * WARPS) * row_words
-            ld = _slice_load(pa_s + so, pb_s + so, tno, xp_s + 8 * i * WARPS, step * TK + i * WARPS + w, m, M, TI,
-                             stride_xm, zero, ROWS16, MB, EVEN_K)
+            ld = _slice_load(pa_s + so, pb_s + so, tno, xp_s + XT * i * WARPS, step * TK + i * WARPS + w, m, M, TI,
+                             stride_xm, zero, ROWS16, MB, EVEN_K, FRAG)
             acc, xs = _pf_mma(ld, acc, xs, sh, ones, K, CB, TN, WARPS, MB, ASM, AFF, PTX)
         pa_s += TK * row_words
         pb_s += TK * row_words
-        xp_s += 8 * TK
+        xp_s += XT * TK
     return acc, xs
 
 
@@ -244,7 +250,7 @@ def _k_loop(pa, pb, tno, sh, xrow, m, M, w, TI, TJS, stride_xm, lo, per_split, z
 def _pf_loop(pa, pb, tno, sh, xrow, m, M, w, TI, TJS, stride_xm, lo, per_split, zero, ones, K: tl.constexpr,
              CB: tl.constexpr, TK: tl.constexpr, TN: tl.constexpr, WARPS: tl.constexpr, ROWS16: tl.constexpr,
              MB: tl.constexpr, EVEN_K: tl.constexpr, ASM: tl.constexpr, AFF: tl.constexpr, PTX: tl.constexpr,
-             PF: tl.constexpr):
+             PF: tl.constexpr, FRAG: tl.constexpr):
     """_mma_kernel's K loop, software-pipelined: the word pairs and A fragments of step + PF
     (PF 1 or 2 steps ahead) are loaded (``_pf_step``) before step's are decoded and mma'd
     (``_pf_mma``), carried through the loop as a tuple of PF steps of one tuple per slice
@@ -260,10 +266,10 @@ def _pf_loop(pa, pb, tno, sh, xrow, m, M, w, TI, TJS, stride_xm, lo, per_split, 
     pipe = ()
     for d in tl.static_range(PF):
         pipe = pipe + (_pf_step(pa, pb, tno, xrow, m, M, w, TI, TJS, stride_xm, tl.minimum(lo + d, hi - 1), zero,
-                                K, TK, WARPS, ROWS16, MB, EVEN_K),)
+                                K, TK, WARPS, ROWS16, MB, EVEN_K, FRAG),)
     for step in range(lo, hi):
         new = _pf_step(pa, pb, tno, xrow, m, M, w, TI, TJS, stride_xm, tl.minimum(step + PF, hi - 1), zero,
-                       K, TK, WARPS, ROWS16, MB, EVEN_K)
+                       K, TK, WARPS, ROWS16, MB, EVEN_K, FRAG)
         for i in tl.static_range(TK // WARPS):
             acc, xs = _pf_mma(pipe[0][i], acc, xs, sh, ones, K, CB, TN, WARPS, MB, ASM, AFF, PTX)
         pipe = pipe[1:] + (new,)
@@ -272,32 +278,37 @@ def _pf_loop(pa, pb, tno, sh, xrow, m, M, w, TI, TJS, stride_xm, lo, per_split, 
 
 @triton.jit
 def _pf_step(pa, pb, tno, xrow, m, M, w, TI, TJS, stride_xm, step, zero, K: tl.constexpr, TK: tl.constexpr,
-             WARPS: tl.constexpr, ROWS16: tl.constexpr, MB: tl.constexpr, EVEN_K: tl.constexpr):
+             WARPS: tl.constexpr, ROWS16: tl.constexpr, MB: tl.constexpr, EVEN_K: tl.constexpr, FRAG: tl.constexpr):
     """Every slice's loads of K step ``step`` (``_pf_load``), one tuple per slice."""
     ld = ()
     for i in tl.static_range(TK // WARPS):
         ld = ld + (_pf_load(pa, pb, tno, xrow, m, M, w, TI, TJS, stride_xm, step, i, zero,
-                            K, TK, WARPS, ROWS16, MB, EVEN_K),)
+                            K, TK, WARPS, ROWS16, MB, EVEN_K, FRAG),)
     return ld
 
 
 @triton.jit
 def _pf_load(pa, pb, tno, xrow, m, M, w, TI, TJS, stride_xm, step, i: tl.constexpr, zero, K: tl.constexpr,
-             TK: tl.constexpr, WARPS: tl.constexpr, ROWS16: tl.constexpr, MB: tl.constexpr, EVEN_K: tl.constexpr):
+             TK: tl.constexpr, WARPS: tl.constexpr, ROWS16: tl.constexpr, MB: tl.constexpr, EVEN_K: tl.constexpr,
+             FRAG: tl.constexpr):
     """Slice i of K step ``step``: its word pair and A fragments (MB 2: and rows 16-31's, else
     zero), the loads and masks of _mma_kernel's loop body."""
     tr = step * TK + i * WARPS  # first tile row of this slice
     so = tr.to(tl.int64) * TJS * (8 * K)
     tk = tr + w  # [1, WARPS, 1]
-    return _slice_load(pa + so, pb + so, tno, xrow + 8 * tk, tk, m, M, TI, stride_xm, zero, ROWS16, MB, EVEN_K)
+    XT: tl.constexpr = 128 if FRAG else 8
+    return _slice_load(pa + so, pb + so, tno, xrow + XT * tk, tk, m, M, TI, stride_xm, zero, ROWS16, MB, EVEN_K,
+                       FRAG)
 
 
 @triton.jit
 def _slice_load(pa_r, pb_r, tno, xp, tk, m, M, TI, stride_xm, zero, ROWS16: tl.constexpr, MB: tl.constexpr,
-                EVEN_K: tl.constexpr):
+                EVEN_K: tl.constexpr, FRAG: tl.constexpr):
     """_pf_load's loads once its pointers are placed: the word pair at pa_r / pb_r (+ tno, per
-    tile column), the A fragments at xp (x row g's word of tile row tk); tk masks the rows
-    past the weight's unless EVEN_K."""
+    tile column), the A fragments at xp (x row g's word of tile row tk; FRAG: the lane's a0
+    word of it); tk masks the rows past the weight's unless EVEN_K."""
+    if FRAG:  # rows past M are zeros in x: only K's edge is masked
+        return _slice_load_frag(pa_r, pb_r, tno, xp, tk, TI, zero, ROWS16, MB, EVEN_K)
     if EVEN_K:
         a = tl.load(pa_r + tno)
         b = tl.load(pb_r + tno)
@@ -311,6 +322,38 @@ def _slice_load(pa_r, pb_r, tno, xp, tk, m, M, TI, stride_xm, zero, ROWS16: tl.c
     if MB == 2:  # rows 16-31
         c0, c1, c2, c3 = _a_frags(xp + 16 * stride_xm, xm0 & (m + 16 < M), m + 16, M, stride_xm, True, zero)
     return a, b, a0, a1, a2, a3, c0, c1, c2, c3
+
+
+@triton.jit
+def _slice_load_frag(pa_r, pb_r, tno, xp, tk, TI, zero, ROWS16: tl.constexpr, MB: tl.constexpr, EVEN_K: tl.constexpr):
+    """_slice_load with x in A-fragment order: register r of every lane is 32 consecutive
+    words at xp + 32 r; the next row block's TI tile rows further on."""
+    a = _ld(pa_r + tno, tk < TI, EVEN_K)
+    b = _ld(pb_r + tno, tk < TI, EVEN_K)
+    a0 = _ld(xp, tk < TI, EVEN_K).to(tl.uint32, bitcast=True)
+    a2 = _ld(xp + 64, tk < TI, EVEN_K).to(tl.uint32, bitcast=True)
+    a1, a3 = zero, zero
+    if ROWS16:
+        a1 = _ld(xp + 32, tk < TI, EVEN_K).to(tl.uint32, bitcast=True)
+        a3 = _ld(xp + 96, tk < TI, EVEN_K).to(tl.uint32, bitcast=True)
+    c0, c1, c2, c3 = zero, zero, zero, zero
+    if MB == 2:  # rows 16-31
+        xq = xp + TI.to(tl.int64) * 128
+        c0 = _ld(xq, tk < TI, EVEN_K).to(tl.uint32, bitcast=True)
+        c1 = _ld(xq + 32, tk < TI, EVEN_K).to(tl.uint32, bitcast=True)
+        c2 = _ld(xq + 64, tk < TI, EVEN_K).to(tl.uint32, bitcast=True)
+        c3 = _ld(xq + 96, tk < TI, EVEN_K).to(tl.uint32, bitcast=True)
+    return a, b, a0, a1, a2, a3, c0, c1, c2, c3
+
+
+@triton.jit
+def _ld(ptr, mask, EVEN_K: tl.constexpr):
+    """An unmasked load where K is even, else masked with zeros."""
+    if EVEN_K:
+        v = tl.load(ptr)
+    else:
+        v = tl.load(ptr, mask=mask, other=0)
+    return v
 
 
 @triton.jit
@@ -439,7 +482,8 @@ def mma_partials(f, x: torch.Tensor, m: int, cfg, splits: int, per: int, stride_
         f.counters if fused else f.tile_part, y.stride(0) if fused else 0,
         K=f.bits, CB=CODEBOOK_IDS[f.codebook], TK=cfg.tk, TN=cfg.tn, WARPS=cfg.warps, ROWS16=m > 8, MB=mb,
         EVEN_K=ti % cfg.tk == 0, ASM=asm, AFF=cfg.affine and f.codebook == "mul1", PTX=not interp,
-        FUSE=fused, HAS_BIAS=f.bias is not None, PF=int(cfg.prefetch), num_warps=cfg.warps, num_stages=cfg.stages,
+        FUSE=fused, HAS_BIAS=f.bias is not None, PF=int(cfg.prefetch), FRAG=cfg.frag_x, num_warps=cfg.warps,
+        num_stages=cfg.stages,
         **pdl_kwargs(gpu_checked=False))
 
 
