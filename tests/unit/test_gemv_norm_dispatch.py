@@ -52,3 +52,24 @@ def test_mlp_falls_back_to_silu_and_mul_without_a_glu_choice(small_mlp, recordin
     mlp.down_proj.method.gemv_dispatch = GemvDispatch(use_glu={(32, 48, 1): True})  # other rows only
     torch.testing.assert_close(mlp(x, ops), want)
     assert ops.calls == 2
+
+
+def _timer(values):
+    it = iter(values)
+    return lambda: next(it)
+
+
+def test_calibration_decides_near_ties_by_medians():
+    from trellm.kernels.gemv import decide
+
+    # Clear cases: one timing each (a second call would exhaust the iterators).
+    assert decide(_timer([50.0]), _timer([100.0]), 0.95) == (100.0, 50.0, True)
+    assert decide(_timer([99.0]), _timer([100.0]), 0.95) == (100.0, 99.0, False)
+    # Near the line: five timings each, medians. The first pair alone (80 vs 84.5: 0.947)
+    # would pick the candidate at 0.95; the medians (80 vs 82: 0.976) do not; at 0.98 they do.
+    cand, base = [80.0, 81.0, 79.0, 80.0, 90.0], [84.5, 82.0, 81.0, 82.0, 83.0]
+    assert decide(_timer(cand), _timer(base), 0.95) == (82.0, 80.0, False)
+    base[0] = 83.5  # 0.958 alone; retimed at 0.98 too
+    assert decide(_timer(cand), _timer(base), 0.98) == (82.0, 80.0, True)
+    # A clear win is not retimed even where one of the medians would differ.
+    assert decide(_timer([80.0, 200.0]), _timer([86.0, 10.0]), 0.98) == (86.0, 80.0, True)

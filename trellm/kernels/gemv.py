@@ -22,7 +22,9 @@ of the activation. The dispatch times it against the unfused pair per (shape, ro
 from __future__ import annotations
 
 import logging
+import statistics
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
@@ -296,6 +298,22 @@ def gemv_rms_norm_ref(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor 
     return y.to(x.dtype), s
 
 
+def decide(candidate: Callable[[], float], baseline: Callable[[], float], margin: float,
+           near: float = 0.03, rounds: int = 5) -> tuple[float, float, bool]:
+    """(baseline µs, candidate µs, whether the candidate wins: time < margin * baseline's).
+    Where one timing of each lands within ``near`` of the threshold, both are timed
+    ``rounds`` times in all, alternating, and their medians decide: one noisy timing near
+    the line flipped an 8B gate_up pick between processes (docs/benchmarks/gpu/README.md,
+    2026-12-07), which moved the model's speed and its near-tie tokens."""
+    base, cand = [baseline()], [candidate()]
+    if abs(cand[0] / base[0] - margin) < near:
+        for _ in range(rounds - 1):
+            base.append(baseline())
+            cand.append(candidate())
+    b, c = statistics.median(base), statistics.median(cand)
+    return b, c, c < margin * b
+
+
 @dataclass
 class GemvDispatch:
     """Per (N, K, rows): use ``gemv`` where it timed faster than cuBLAS on this device."""
@@ -331,9 +349,11 @@ class GemvDispatch:
         return self.use_norm.get((weight.shape[0], weight.shape[1], x.shape[0]), False)
 
     def calibrate(self, weights: list[torch.Tensor], rows: tuple[int, ...] = (1, 2, 4, 8),
-                  margin: float = 0.95) -> "GemvDispatch":
+                  margin: float = 0.98) -> "GemvDispatch":
         """Time both on every distinct weight shape, streaming from HBM as decode does (see
-        ``l2_copies``); the kernel must win by 5%."""
+        ``l2_copies``); the kernel must win by 2%, by medians where it is close (``decide``).
+        (It was 5% on single timings: the 8B gate_up GEMV, ours 80 µs against cuBLAS 81-84,
+        then went either way, and the engine was 3% faster with ours: H100, 2026-12-07.)"""
         t0 = time.perf_counter()
         seen: set[tuple[int, int]] = set()
         for w in weights:
@@ -344,11 +364,11 @@ class GemvDispatch:
             ws = l2_copies(w)
             for m in rows:
                 x = torch.randn(m, w.shape[1], dtype=w.dtype, device=w.device)
-                cublas = graph_time_us([lambda w=w: F.linear(x, w) for w in ws], iters=30)
-                ours = graph_time_us([lambda w=w: gemv(x, w) for w in ws], iters=30)
                 key = (shape[0], shape[1], m)
+                cublas, ours, self.use_kernel[key] = decide(
+                    lambda: graph_time_us([lambda w=w: gemv(x, w) for w in ws], iters=30),
+                    lambda: graph_time_us([lambda w=w: F.linear(x, w) for w in ws], iters=30), margin)
                 self.timings_us[key] = (cublas, ours)
-                self.use_kernel[key] = ours < margin * cublas
             del ws  # before the next shape's stand-ins: one set alive at a time
         torch.cuda.empty_cache()  # the stand-ins' blocks back to the device, not the cache
         picked = sorted(k for k, v in self.use_kernel.items() if v)
@@ -375,10 +395,10 @@ class GemvDispatch:
                 x = torch.randn(m, 2 * k, dtype=w.dtype, device=w.device)
                 key = (n, k, m)
                 linear = gemv if self.use_kernel.get(key, False) else F.linear
-                unfused = graph_time_us([lambda w=w: linear(silu_and_mul(x), w) for w in ws], iters=30)
-                fused = graph_time_us([lambda w=w: gemv(x, w, glu=True) for w in ws], iters=30)
+                unfused, fused, self.use_glu[key] = decide(
+                    lambda: graph_time_us([lambda w=w: gemv(x, w, glu=True) for w in ws], iters=30),
+                    lambda: graph_time_us([lambda w=w: linear(silu_and_mul(x), w) for w in ws], iters=30), margin)
                 self.glu_timings_us[key] = (unfused, fused)
-                self.use_glu[key] = fused < margin * unfused
             del ws
         torch.cuda.empty_cache()
         picked = sorted(key for key, fused_wins in self.use_glu.items() if fused_wins)
@@ -405,11 +425,11 @@ def calibrate_norm(d: GemvDispatch, weights: list[torch.Tensor], rows: tuple[int
             key = (n, k, m)
             linear = gemv if d.use_kernel.get(key, False) else F.linear
 
-            before = graph_time_us([lambda w=w: linear(fused_add_rms_norm(x, res, nw, 1e-6)[0], w) for w in ws],
-                                   iters=30)
-            fused = graph_time_us([lambda w=w: gemv_rms_norm(x, w, None, res, nw, 1e-6) for w in ws], iters=30)
+            before, fused, d.use_norm[key] = decide(
+                lambda: graph_time_us([lambda w=w: gemv_rms_norm(x, w, None, res, nw, 1e-6) for w in ws], iters=30),
+                lambda: graph_time_us([lambda w=w: linear(fused_add_rms_norm(x, res, nw, 1e-6)[0], w) for w in ws],
+                                      iters=30), margin)
             d.norm_timings_us[key] = (before, fused)
-            d.use_norm[key] = fused < margin * before
         del ws
     torch.cuda.empty_cache()
     picked = sorted(key for key, wins in d.use_norm.items() if wins)
