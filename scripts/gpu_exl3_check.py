@@ -324,9 +324,10 @@ def stage_int8(cfg: dict, device: torch.device, res: dict) -> None:
 ENGINE_FILTER: list[str] = []
 
 
-def set_dispatch_from(one_row: str | None, gemv: str | None, gemv_max_rows: int | None = None) -> None:
+def set_dispatch_from(one_row: str | None, gemv: str | None, gemv_max_rows: int | None = None,
+                      wide_mma: bool = True) -> None:
     """The EXL3 dispatch with the named sweep variants in place of the defaults."""
-    if not one_row and not gemv and gemv_max_rows is None:
+    if not one_row and not gemv and gemv_max_rows is None and wide_mma:
         return
     from dataclasses import replace
 
@@ -340,6 +341,7 @@ def set_dispatch_from(one_row: str | None, gemv: str | None, gemv_max_rows: int 
         d = replace(d, gemv=VARIANTS[gemv][0])
     if gemv_max_rows is not None:
         d = replace(d, gemv_max_rows=gemv_max_rows)
+    d = replace(d, wide_mma=wide_mma)
     exl3_fast.set_dispatch(d)
     log(f"EXL3 dispatch: {d}")
 
@@ -453,9 +455,11 @@ def main() -> None:
     ap.add_argument("--engines", help="comma-separated substrings of the engine runs to keep, e.g. 'exl3 4,int8'")
     ap.add_argument("--one-row", help="a scripts/gpu_exl3_sweep.py variant for M = 1 (the dispatch's one_row)")
     ap.add_argument("--gemv", help="a scripts/gpu_exl3_sweep.py variant for 2..8 rows (the dispatch's gemv)")
+    ap.add_argument("--no-wide-mma", action="store_true",
+                    help="one row of K 5-6 (the 6-bit head) on the split kernel, as before FastDispatch.wide_mma")
     ap.add_argument("--gemv-max-rows", type=int, help="the most rows the gemv variant takes (default 8)")
     a = ap.parse_args()
-    set_dispatch_from(a.one_row, a.gemv, a.gemv_max_rows)
+    set_dispatch_from(a.one_row, a.gemv, a.gemv_max_rows, not a.no_wide_mma)
     if a.engines:
         ENGINE_FILTER.extend(a.engines.split(","))
     os.makedirs(a.out, exist_ok=True)

@@ -37,9 +37,10 @@
 #   t: s without the kernel tests (~4 min).
 #   v: the bf16 decode graphs of Qwen3-0.6B and the 8B profiled kernel by kernel, defaults and
 #      TRELLM_GEMV_NORM=1 (scripts/gpu_overhead.py --profile, ~4 min).
-#   fx: exl3_mma with x in A-fragment order (FastConfig.frag_x): its GPU kernel tests, the layer
-#      sweep at 1 / 8 / 32 rows against the default, the engine at 4.0 bpw with the fx variants
-#      for 2-32 rows (aggregate at 32 concurrent), then int8's engine (the v1 / v2 candidates).
+#   fx: exl3_mma with x in A-fragment order (FastConfig.frag_x) and with K 5-6 (the 6-bit head):
+#      its GPU kernel tests, the layer sweep at 1 / 8 / 32 rows against the default, the engine
+#      at 4.0 bpw with the fx variants for 2-32 rows (aggregate at 32 concurrent), the engine
+#      with the head back on the split kernel (--no-wide-mma), then int8's engine (v1 / v2).
 #   u: l on an H200, fx on any other card.
 #   z: l on an H200, y on any other card (a call that may get either); w: l on an H200, n on
 #      any other card.
@@ -108,18 +109,19 @@ if [ "$stage" = z ] || [ "$stage" = w ] || [ "$stage" = u ]; then
 fi
 case "$stage" in
 fx)
-    mkdir -p "$out/sweep" "$out/exl3-fx" "$out/exl3-fx32" "$out/int8"
-    timeout 120 python3 -m pytest -q -p no:cacheprovider tests/kernels/test_exl3_kernels.py \
-        -k "fragment_order or (mma and plain and (4-mul1 or 2-mcg or 3-3inst))" 2>&1 | tail -2
-    timeout 160 python3 scripts/gpu_exl3_sweep.py --out "$out/sweep" --budget 150 --combos 4:mul1 --layer-only \
-        --variants row-8x4-asm-aff,mma-8x2-aff-pps8-fo,mma-8x2-aff-pps8-fo-fx,mma-16x2-aff-fo-fx,mma-8x4-aff-fo-fx,mma-8x2-aff-bm32-fo-fx,mma-8x2-aff-pps8-bm32-fo-fx,mma-8x4-aff-bm32-fo-fx \
+    mkdir -p "$out/sweep" "$out/exl3-fx" "$out/exl3-fx32" "$out/exl3-nowide" "$out/int8"
+    timeout 100 python3 -m pytest -q -p no:cacheprovider tests/kernels/test_exl3_kernels.py \
+        -k "fragment_order or (mma and plain and (4-mul1 or 6-mul1 or 5-mcg))" 2>&1 | tail -2
+    timeout 140 python3 scripts/gpu_exl3_sweep.py --out "$out/sweep" --budget 130 --combos 4:mul1 --layer-only \
+        --variants row-8x4-asm-aff,mma-8x2-aff-pps8-fo,mma-8x2-aff-pps8-fo-fx,mma-8x4-aff-fo-fx,mma-8x2-aff-bm32-fo-fx,mma-8x2-aff-pps8-bm32-fo-fx,mma-8x4-aff-bm32-fo-fx \
         2>&1 | grep -E "checks|best at" | tail -4
-    timeout 90 python3 scripts/gpu_exl3_check.py --out "$out/exl3-fx" --stages engine --budget 80 --engines "exl3 4" \
-        --gemv mma-8x2-aff-pps8-fo-fx --gemv-max-rows 32 2>&1 | tail -2
-    timeout 90 python3 scripts/gpu_exl3_check.py --out "$out/exl3-fx32" --stages engine --budget 80 --engines "exl3 4" \
-        --gemv mma-8x2-aff-pps8-bm32-fo-fx --gemv-max-rows 32 2>&1 | tail -2
-    timeout 90 python3 scripts/gpu_exl3_check.py --out "$out/int8" --stages engine --budget 80 --engines int8 \
-        2>&1 | tail -2
+    for run in "fx --gemv mma-8x2-aff-pps8-fo-fx --gemv-max-rows 32" "fx32 --gemv mma-8x2-aff-pps8-bm32-fo-fx --gemv-max-rows 32" \
+               "nowide --no-wide-mma"; do
+        set -- $run; tag=$1; shift
+        timeout 85 python3 scripts/gpu_exl3_check.py --out "$out/exl3-$tag" --stages engine --budget 75 --engines "exl3 4" \
+            "$@" 2>&1 | tail -2
+    done
+    timeout 80 python3 scripts/gpu_exl3_check.py --out "$out/int8" --stages engine --budget 70 --engines int8 2>&1 | tail -2
     ;;
 v)
     for norm in 0 1; do

@@ -183,7 +183,7 @@ def test_fast_every_k_codebook_and_rows(bits, codebook, device):
         _check_fast(f, rows, cfg, seed=rows)
 
 
-# exl3_mma (K <= 4; K = 5 takes the split dot kernel): one row; 3 rows on an uneven last step
+# exl3_mma (K <= 6, K 5-6 in three words a group; K = 7 takes the split dot kernel): one row; 3 rows on an uneven last step
 # (tk 16 of 24 tile rows) with bit-exact weights; 16 rows (rows g + 8 live) on 2 warps; 33 rows
 # in three row blocks, 1 warp; 40 rows in two programs of 32 (two row blocks sharing a decode).
 # fuse_out: the output transform run by the last program of each 128-column block.
@@ -227,7 +227,7 @@ MMA_PF_ROWS = [
 
 @pytest.mark.parametrize("cases", [MMA_ROWS, MMA_PF_ROWS], ids=["plain", "prefetch"])
 @pytest.mark.parametrize("codebook", CODEBOOKS)
-@pytest.mark.parametrize("bits", [1, 2, 3, 4, 5])
+@pytest.mark.parametrize("bits", [1, 2, 3, 4, 5, 6, 7])
 def test_mma_every_codebook_and_rows(bits, codebook, cases, device):
     w = qt.exl3_weight(384, 256, bits, codebook, device, seed=200 + 10 * bits + CODEBOOKS.index(codebook))
     f = exl3_fast.fuse([w])
@@ -332,6 +332,12 @@ def test_fast_several_row_blocks_and_dispatch(device):
     d = exl3_fast.FastDispatch(gemv_max_rows=4)
     assert exl3_fast.choose_config(1, d) is d.one_row
     assert exl3_fast.choose_config(4, d) is d.gemv and exl3_fast.choose_config(5, d) is d.gemm
+    # One row of K 5-6 (the 6-bit head): the gemv's mma kernel, not the row config's split fallback.
+    assert d.one_row.row and d.gemv.mma
+    assert exl3_fast.choose_config(1, d, 6) is d.gemv and exl3_fast.choose_config(1, d, 5) is d.gemv
+    assert exl3_fast.choose_config(1, d, 4) is d.one_row and exl3_fast.choose_config(1, d, 7) is d.one_row
+    from dataclasses import replace
+    assert exl3_fast.choose_config(1, replace(d, wide_mma=False), 6) is d.one_row
     assert exl3_fast.group_size(4) == 8 and exl3_fast.group_size(5) == 4 and exl3_fast.group_size(7) == 2
 
 

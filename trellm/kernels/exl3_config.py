@@ -29,7 +29,7 @@ class FastConfig:
     """With row, MUL1: weights not rounded to fp16 (exl3_row's AFF: ~5 instead of 8.6
     instructions per weight; fp16-class tolerance instead of bit-exact weights)."""
     mma: bool = False
-    """exl3_mma's kernel (K <= 4; other K fall back to the split dot kernel): lanes decode
+    """exl3_mma's kernel (K <= 6; K 7-8 fall back to the split dot kernel): lanes decode
     their own mma B fragments, 1-16 rows for the decode of one; with affine (MUL1) the
     weights are 1024 + B in fp16 and the affine map is applied to the sums. block_m 32:
     two 16-row blocks share each decode."""
@@ -67,6 +67,10 @@ class FastDispatch:
     gemv: FastConfig = FastConfig(tk=8, tn=2, dot=False, asm=True, mma=True, affine=True, programs_per_sm=8,
                                   fuse_out=True)
     gemv_max_rows: int = 32
+    wide_mma: bool = True
+    """K 5-6 (the 6-bit LM head) at one row take the gemv config where it is exl3_mma (three
+    words a group) instead of one_row's split-kernel fallback: 7.0 against 9.95 SASS
+    instructions a weight (sm_90, compiled on the CPU); not yet timed."""
     gemm: FastConfig = FastConfig(tk=8, tn=8, in_had=True, asm=True, block_m=32)
     reconstruct_min_rows: int = 256
     """M >= this: decode to fp16 (``fast_reconstruct``) + cuBLAS, per part."""

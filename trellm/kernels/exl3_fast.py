@@ -69,6 +69,8 @@ def group_size(k: int) -> int:
 
 
 GROUP = {k: group_size(k) for k in range(1, 9)}
+MMA_WIDE_BITS = (5, 6)
+"""K where exl3_mma reads three words a group (7 K + 16 <= 64 bits of windows)."""
 
 
 _STATE = {"dispatch": FastDispatch()}
@@ -415,7 +417,7 @@ def fast_partials(f: EXL3Fused, x2: torch.Tensor, cfg: FastConfig, y: torch.Tens
     ti, tj, _ = f.trellis.shape
     in_had = cfg.dot and cfg.in_had and not cfg.split
     mma = _mma_applies(f, cfg)
-    if cfg.mma and not mma:  # K > 4: the split dot kernel
+    if cfg.mma and not mma:  # K 7-8: the split dot kernel
         cfg = FastConfig(tk=cfg.tk, tn=max(cfg.tn, 2), asm=cfg.asm, split=True)
     bm = 16 * exl3_mma.row_blocks(cfg, m) if mma else min(cfg.block_m, max(16, _pow2(m))) if cfg.dot else 1
     if in_had:
@@ -469,9 +471,11 @@ def fast_output_transform(f: EXL3Fused, partials: torch.Tensor, dtype: torch.dty
     return out
 
 
-def choose_config(m: int, d: FastDispatch | None = None) -> FastConfig:
+def choose_config(m: int, d: FastDispatch | None = None, bits: int | None = None) -> FastConfig:
     d = d or get_dispatch()
     if m == 1 and d.one_row is not None:
+        if d.wide_mma and bits in MMA_WIDE_BITS and d.one_row.row and d.gemv.mma:
+            return d.gemv  # exl3_mma reads K 5-6 in three words; the row kernel would take the split one
         return d.one_row
     cfg = d.gemv if m <= d.gemv_max_rows else d.gemm
     return cfg if cfg.dot or cfg.mma or m == 1 else FastConfig(**{**cfg.__dict__, "dot": True})
@@ -490,7 +494,7 @@ def fast_matmul(f: EXL3Fused, x: torch.Tensor, cfg: FastConfig | None = None,
         return x.new_empty(*x.shape[:-1], f.out_features)
     if cfg is None and m >= d.reconstruct_min_rows:
         return fast_prefill(f, x2, d.reconstruct_cols, x.dtype).reshape(*x.shape[:-1], f.out_features)
-    cfg = cfg or choose_config(m, d)
+    cfg = cfg or choose_config(m, d, f.bits)
     if _mma_applies(f, cfg) and _mma_can_fuse(f, cfg, m):
         y = torch.empty(m, f.out_features, dtype=x.dtype, device=x.device)
         fast_partials(f, x2, cfg, y)
@@ -500,8 +504,9 @@ def fast_matmul(f: EXL3Fused, x: torch.Tensor, cfg: FastConfig | None = None,
 
 
 def _mma_applies(f: EXL3Fused, cfg: FastConfig) -> bool:
-    """exl3_mma runs where its config asks for it and a group's 8 weights share a word pair."""
-    return cfg.mma and GROUP[f.bits] == 8
+    """exl3_mma runs where its config asks for it and a group's 8 weights lie in a word pair
+    (K <= 4) or in three words (K 5-6, the usual 6-bit LM head: exl3_mma._wide)."""
+    return cfg.mma and (GROUP[f.bits] == 8 or f.bits in MMA_WIDE_BITS)
 
 
 def _mma_can_fuse(f: EXL3Fused, cfg: FastConfig, m: int) -> bool:

@@ -149,9 +149,10 @@ def _b_regs(p, sh, K: tl.constexpr, CB: tl.constexpr, ASM: tl.constexpr, AFF: tl
 
 @triton.jit
 def _word_pointers(w_ptr, pid_n, TJS, K: tl.constexpr, TN: tl.constexpr, WARPS: tl.constexpr):
-    """Per lane and warp the pointers to its group's word pair in the first tile row of the
-    block (step offsets are added per step); tile column tn is a constant offset (``tno``,
-    an LDG immediate); ``sh`` brings the group's first window down from the 64-bit pair."""
+    """Per lane and warp the pointers to its group's words (a pair; K 5-6 three, ``_wide``)
+    in the first tile row of the block (step offsets are added per step); tile column tn is
+    a constant offset (``tno``, an LDG immediate); ``sh`` brings the group's first window
+    down from the 64-bit pair (K 5-6: the window's bit offset in the first word)."""
     RING: tl.constexpr = 256 * K
     e = tl.arange(0, 32)[:, None, None]
     w = tl.arange(0, WARPS)[None, :, None]
@@ -159,7 +160,12 @@ def _word_pointers(w_ptr, pid_n, TJS, K: tl.constexpr, TN: tl.constexpr, WARPS: 
     start = ((8 * e + 1) * K + (RING - 16)) % RING  # first window of each group, ring bits
     word = start // 32
     row0 = (w * TJS + pid_n * TN) * (8 * K)
-    return w_ptr + row0 + word, w_ptr + row0 + (word + 1) % (8 * K), tn * (8 * K), (48 - start % 32).to(tl.uint64)
+    if K > 4:
+        sh = (start % 32).to(tl.uint64)
+    else:
+        sh = (48 - start % 32).to(tl.uint64)
+    return (w_ptr + row0 + word, w_ptr + row0 + (word + 1) % (8 * K), w_ptr + row0 + (word + 2) % (8 * K),
+            tn * (8 * K), sh)
 
 
 @triton.jit(do_not_specialize=["M", "per_split"])
@@ -181,7 +187,7 @@ def _mma_kernel(x_ptr, w_ptr, tile_part_ptr, out_ptr, M, TI, TJS, NP, per_split,
     pid_n = tl.program_id(0)
     pid_s = tl.program_id(1)
     x_ptr += tl.load(tile_part_ptr + pid_n * TN) * stride_xp
-    pa, pb, tno, sh = _word_pointers(w_ptr, pid_n, TJS, K, TN, WARPS)
+    pa, pb, pc, tno, sh = _word_pointers(w_ptr, pid_n, TJS, K, TN, WARPS)
     e = tl.arange(0, 32)[:, None, None]
     w = tl.arange(0, WARPS)[None, :, None]
     m = tl.program_id(2) * (16 * MB) + e // 4  # [32, 1, 1]: lane's A row g (and g + 8; + 16 with MB 2)
@@ -193,10 +199,10 @@ def _mma_kernel(x_ptr, w_ptr, tile_part_ptr, out_ptr, M, TI, TJS, NP, per_split,
     ones = zero + ONES
     lo = pid_s * per_split
     if PF:  # step + PF's loads issued before this step's decode
-        acc, xs = _pf_loop(pa, pb, tno, sh, xrow, m, M, w, TI, TJS, stride_xm, lo, per_split, zero, ones,
+        acc, xs = _pf_loop(pa, pb, pc, tno, sh, xrow, m, M, w, TI, TJS, stride_xm, lo, per_split, zero, ones,
                            K, CB, TK, TN, WARPS, ROWS16, MB, EVEN_K, ASM, AFF, PTX, PF, FRAG)
     else:
-        acc, xs = _k_loop(pa, pb, tno, sh, xrow, m, M, w, TI, TJS, stride_xm, lo, per_split, zero, ones,
+        acc, xs = _k_loop(pa, pb, pc, tno, sh, xrow, m, M, w, TI, TJS, stride_xm, lo, per_split, zero, ones,
                           K, CB, TK, TN, WARPS, ROWS16, MB, EVEN_K, ASM, AFF, PTX, FRAG)
     acc0, acc1, acc2, acc3, acc4, acc5, acc6, acc7, acc8, acc9, acc10, acc11, acc12, acc13, acc14, acc15 = acc
     xs0, xs1, xs2, xs3, xs4, xs5, xs6, xs7 = xs
@@ -214,7 +220,7 @@ def _mma_kernel(x_ptr, w_ptr, tile_part_ptr, out_ptr, M, TI, TJS, NP, per_split,
 
 
 @triton.jit
-def _k_loop(pa, pb, tno, sh, xrow, m, M, w, TI, TJS, stride_xm, lo, per_split, zero, ones, K: tl.constexpr,
+def _k_loop(pa, pb, pc, tno, sh, xrow, m, M, w, TI, TJS, stride_xm, lo, per_split, zero, ones, K: tl.constexpr,
             CB: tl.constexpr, TK: tl.constexpr, TN: tl.constexpr, WARPS: tl.constexpr, ROWS16: tl.constexpr,
             MB: tl.constexpr, EVEN_K: tl.constexpr, ASM: tl.constexpr, AFF: tl.constexpr, PTX: tl.constexpr,
             FRAG: tl.constexpr):
@@ -232,22 +238,24 @@ def _k_loop(pa, pb, tno, sh, xrow, m, M, w, TI, TJS, stride_xm, lo, per_split, z
     row_words = TJS.to(tl.int64) * (8 * K)
     pa_s = pa + lo.to(tl.int64) * (TK * row_words)
     pb_s = pb + lo.to(tl.int64) * (TK * row_words)
+    pc_s = pc + lo.to(tl.int64) * (TK * row_words)
     XT: tl.constexpr = 128 if FRAG else 8  # x words from one tile row to the next
     xp_s = xrow + XT * (w + lo * TK)
     for step in range(lo, tl.minimum(lo + per_split, tl.cdiv(TI, TK))):
         for i in tl.static_range(TK // WARPS):
             so = (i * WARPS) * row_words
-            ld = _slice_load(pa_s + so, pb_s + so, tno, xp_s + XT * i * WARPS, step * TK + i * WARPS + w, m, M, TI,
-                             stride_xm, zero, ROWS16, MB, EVEN_K, FRAG)
+            ld = _slice_load(pa_s + so, pb_s + so, pc_s + so, tno, xp_s + XT * i * WARPS, step * TK + i * WARPS + w, m, M, TI,
+                             stride_xm, zero, K, ROWS16, MB, EVEN_K, FRAG)
             acc, xs = _pf_mma(ld, acc, xs, sh, ones, K, CB, TN, WARPS, MB, ASM, AFF, PTX)
         pa_s += TK * row_words
         pb_s += TK * row_words
+        pc_s += TK * row_words
         xp_s += XT * TK
     return acc, xs
 
 
 @triton.jit
-def _pf_loop(pa, pb, tno, sh, xrow, m, M, w, TI, TJS, stride_xm, lo, per_split, zero, ones, K: tl.constexpr,
+def _pf_loop(pa, pb, pc, tno, sh, xrow, m, M, w, TI, TJS, stride_xm, lo, per_split, zero, ones, K: tl.constexpr,
              CB: tl.constexpr, TK: tl.constexpr, TN: tl.constexpr, WARPS: tl.constexpr, ROWS16: tl.constexpr,
              MB: tl.constexpr, EVEN_K: tl.constexpr, ASM: tl.constexpr, AFF: tl.constexpr, PTX: tl.constexpr,
              PF: tl.constexpr, FRAG: tl.constexpr):
@@ -265,10 +273,10 @@ def _pf_loop(pa, pb, tno, sh, xrow, m, M, w, TI, TJS, stride_xm, lo, per_split, 
     xs = (zs, zs, zs, zs, zs, zs, zs, zs)
     pipe = ()
     for d in tl.static_range(PF):
-        pipe = pipe + (_pf_step(pa, pb, tno, xrow, m, M, w, TI, TJS, stride_xm, tl.minimum(lo + d, hi - 1), zero,
+        pipe = pipe + (_pf_step(pa, pb, pc, tno, xrow, m, M, w, TI, TJS, stride_xm, tl.minimum(lo + d, hi - 1), zero,
                                 K, TK, WARPS, ROWS16, MB, EVEN_K, FRAG),)
     for step in range(lo, hi):
-        new = _pf_step(pa, pb, tno, xrow, m, M, w, TI, TJS, stride_xm, tl.minimum(step + PF, hi - 1), zero,
+        new = _pf_step(pa, pb, pc, tno, xrow, m, M, w, TI, TJS, stride_xm, tl.minimum(step + PF, hi - 1), zero,
                        K, TK, WARPS, ROWS16, MB, EVEN_K, FRAG)
         for i in tl.static_range(TK // WARPS):
             acc, xs = _pf_mma(pipe[0][i], acc, xs, sh, ones, K, CB, TN, WARPS, MB, ASM, AFF, PTX)
@@ -277,18 +285,18 @@ def _pf_loop(pa, pb, tno, sh, xrow, m, M, w, TI, TJS, stride_xm, lo, per_split, 
 
 
 @triton.jit
-def _pf_step(pa, pb, tno, xrow, m, M, w, TI, TJS, stride_xm, step, zero, K: tl.constexpr, TK: tl.constexpr,
+def _pf_step(pa, pb, pc, tno, xrow, m, M, w, TI, TJS, stride_xm, step, zero, K: tl.constexpr, TK: tl.constexpr,
              WARPS: tl.constexpr, ROWS16: tl.constexpr, MB: tl.constexpr, EVEN_K: tl.constexpr, FRAG: tl.constexpr):
     """Every slice's loads of K step ``step`` (``_pf_load``), one tuple per slice."""
     ld = ()
     for i in tl.static_range(TK // WARPS):
-        ld = ld + (_pf_load(pa, pb, tno, xrow, m, M, w, TI, TJS, stride_xm, step, i, zero,
+        ld = ld + (_pf_load(pa, pb, pc, tno, xrow, m, M, w, TI, TJS, stride_xm, step, i, zero,
                             K, TK, WARPS, ROWS16, MB, EVEN_K, FRAG),)
     return ld
 
 
 @triton.jit
-def _pf_load(pa, pb, tno, xrow, m, M, w, TI, TJS, stride_xm, step, i: tl.constexpr, zero, K: tl.constexpr,
+def _pf_load(pa, pb, pc, tno, xrow, m, M, w, TI, TJS, stride_xm, step, i: tl.constexpr, zero, K: tl.constexpr,
              TK: tl.constexpr, WARPS: tl.constexpr, ROWS16: tl.constexpr, MB: tl.constexpr, EVEN_K: tl.constexpr,
              FRAG: tl.constexpr):
     """Slice i of K step ``step``: its word pair and A fragments (MB 2: and rows 16-31's, else
@@ -297,18 +305,22 @@ def _pf_load(pa, pb, tno, xrow, m, M, w, TI, TJS, stride_xm, step, i: tl.constex
     so = tr.to(tl.int64) * TJS * (8 * K)
     tk = tr + w  # [1, WARPS, 1]
     XT: tl.constexpr = 128 if FRAG else 8
-    return _slice_load(pa + so, pb + so, tno, xrow + XT * tk, tk, m, M, TI, stride_xm, zero, ROWS16, MB, EVEN_K,
-                       FRAG)
+    return _slice_load(pa + so, pb + so, pc + so, tno, xrow + XT * tk, tk, m, M, TI, stride_xm, zero, K, ROWS16, MB,
+                       EVEN_K, FRAG)
 
 
 @triton.jit
-def _slice_load(pa_r, pb_r, tno, xp, tk, m, M, TI, stride_xm, zero, ROWS16: tl.constexpr, MB: tl.constexpr,
-                EVEN_K: tl.constexpr, FRAG: tl.constexpr):
+def _slice_load(pa_r, pb_r, pc_r, tno, xp, tk, m, M, TI, stride_xm, zero, K: tl.constexpr, ROWS16: tl.constexpr,
+                MB: tl.constexpr, EVEN_K: tl.constexpr, FRAG: tl.constexpr):
     """_pf_load's loads once its pointers are placed: the word pair at pa_r / pb_r (+ tno, per
     tile column), the A fragments at xp (x row g's word of tile row tk; FRAG: the lane's a0
-    word of it); tk masks the rows past the weight's unless EVEN_K."""
+    word of it); tk masks the rows past the weight's unless EVEN_K. K 5-6: a third word
+    (pc_r), else ``zero``."""
+    c = zero
+    if K > 4:
+        c = _ld(pc_r + tno, tk < TI, EVEN_K)
     if FRAG:  # rows past M are zeros in x: only K's edge is masked
-        return _slice_load_frag(pa_r, pb_r, tno, xp, tk, TI, zero, ROWS16, MB, EVEN_K)
+        return (c,) + _slice_load_frag(pa_r, pb_r, tno, xp, tk, TI, zero, ROWS16, MB, EVEN_K)
     if EVEN_K:
         a = tl.load(pa_r + tno)
         b = tl.load(pb_r + tno)
@@ -321,7 +333,7 @@ def _slice_load(pa_r, pb_r, tno, xp, tk, m, M, TI, stride_xm, zero, ROWS16: tl.c
     c0, c1, c2, c3 = zero, zero, zero, zero
     if MB == 2:  # rows 16-31
         c0, c1, c2, c3 = _a_frags(xp + 16 * stride_xm, xm0 & (m + 16 < M), m + 16, M, stride_xm, True, zero)
-    return a, b, a0, a1, a2, a3, c0, c1, c2, c3
+    return c, a, b, a0, a1, a2, a3, c0, c1, c2, c3
 
 
 @triton.jit
@@ -361,8 +373,11 @@ def _pf_mma(ld, acc, xs, sh, ones, K: tl.constexpr, CB: tl.constexpr, TN: tl.con
             MB: tl.constexpr, ASM: tl.constexpr, AFF: tl.constexpr, PTX: tl.constexpr):
     """One slice's decode and mmas on its loads ``ld`` (``_pf_load``): the rest of _mma_kernel's
     loop body. acc: its acc0..acc15, xs: its xs0..xs7; returns both updated."""
-    a, b, a0, a1, a2, a3, c0, c1, c2, c3 = ld
+    w3, a, b, a0, a1, a2, a3, c0, c1, c2, c3 = ld
     p = (a.to(tl.uint32, bitcast=True).to(tl.uint64) << 32) | b.to(tl.uint32, bitcast=True).to(tl.uint64)
+    if K > 4:  # the window aligned to the top of p: constant shifts from here on
+        p = _wide(p, w3, sh)
+        sh = tl.full(sh.shape, 48, tl.uint64)
     b01, b23, b45, b67 = _b_regs(p, sh, K, CB, ASM, AFF)
     d0, d1, d2, d3 = _mma(a0, a1, a2, a3, b01, b23, acc[0], acc[1], acc[2], acc[3], PTX, WARPS, TN)
     d4, d5, d6, d7 = _mma(a0, a1, a2, a3, b45, b67, acc[4], acc[5], acc[6], acc[7], PTX, WARPS, TN)
@@ -377,6 +392,15 @@ def _pf_mma(ld, acc, xs, sh, ones, K: tl.constexpr, CB: tl.constexpr, TN: tl.con
         if AFF:
             s4, s5, s6, s7 = _mma(c0, c1, c2, c3, ones, ones, s4, s5, s6, s7, PTX, WARPS, 1)
     return (d0, d1, d2, d3, d4, d5, d6, d7, d8, d9, d10, d11, d12, d13, d14, d15), (s0, s1, s2, s3, s4, s5, s6, s7)
+
+
+@triton.jit
+def _wide(p, w3, off):
+    """K 5-6: a group's 8 windows span 7 K + 16 <= 58 bits from bit ``off`` (< 32) of its
+    first word, so within its three words (p: the first two, w3: the third): the 64 bits
+    from there as one uint64, the first window's top bit at bit 63."""
+    third = w3.to(tl.uint32, bitcast=True).to(tl.uint64)
+    return (p << off) | ((third << off) >> 32)
 
 
 @triton.jit
