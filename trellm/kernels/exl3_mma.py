@@ -1,4 +1,4 @@
-"""EXL3 in Triton, part 5: tensor-core mma on trellis values decoded in registers (1-16 rows).
+"""EXL3 in Triton, part 5: tensor-core mma on trellis values decoded in registers (1-32 rows).
 
 Why: the one-row kernels (exl3_row, exl3_fast's split FMA) spend one FMA per weight and
 per activation row, and their cost grows with the rows; the dot kernels reorder the
@@ -25,6 +25,10 @@ rounded to fp16 (within half an fp16 ulp of the reference's). Other codebooks (a
 ``AFF`` off) pack the reference's fp16 values, bit-exact weights.
 
 K = 4 extracts two states per 32-bit shift: windows J and J + 4 are 16 bits apart.
+K = 5-6 (the usual 6-bit LM head): a group's windows span 7 K + 16 <= 58 bits, which can
+cross into a third word; each lane loads three and aligns the 64 bits from its first
+window (``_wide``), then extracts with constant shifts (7.0 SASS instructions a weight at
+one row against the split kernel's 9.95). K 7-8 (65 and 72 bits) take the split kernel.
 
 SASS (sm_90, K = 4, MUL1, TK 8 x TN 4, 4 warps, compiled on the CPU): 349 loop
 instructions per 64 weights a thread (5.45 a weight; 338 with 16 live rows), 72
@@ -490,7 +494,7 @@ def _store(out_ptr, a0, a1, a2, a3, a4, a5, a6, a7, xs0, xs2, m, M, NP, pid_n, p
 
 def mma_partials(f, x: torch.Tensor, m: int, cfg, splits: int, per: int, stride_xp: int, stride_xm: int,
                  out: torch.Tensor, asm: bool, y: torch.Tensor | None = None) -> None:
-    """Launch over f (an EXL3Fused, K <= 4) with x the fp16 transformed activations
+    """Launch over f (an EXL3Fused, K <= 6) with x the fp16 transformed activations
     [parts, m, in_p]; ``out`` [splits, m, padded_out] float32 partials. ``y`` [m,
     out_features]: also the output transform, fused (``can_fuse``)."""
     ti, tj, _ = f.trellis.shape
