@@ -41,6 +41,7 @@
 #      its GPU kernel tests, the layer sweep at 1 / 8 / 32 rows against the default, the engine
 #      at 4.0 bpw with the fx variants for 2-32 rows (aggregate at 32 concurrent), the engine
 #      with the head back on the split kernel (--no-wide-mma), then int8's engine (v1 / v2).
+#   fxs: fx cut to ~5 min (sweep, engine with the 32-row fx variant, the head A/B).
 #   u: l on an H200, fx on any other card.
 #   z: l on an H200, y on any other card (a call that may get either); w: l on an H200, n on
 #      any other card.
@@ -48,7 +49,7 @@
 #      (scripts/gpu_gemv_layers.py), then scripts/gpu_pdl_ab.py (whole-engine A/B, Qwen3-0.6B
 #      and 8B single stream), then the GEMV kernel tests; writes the best env-settable
 #      variant to /tmp/trellm-pick.env (stage l's engine checks then run under it).
-# Usage: OUT=... [PICK=1] scripts/gpu_next.sh a|b|c|d|e|f|g|h|i|j|k|l|m|n|o|p|q|r|s|t|u|v|w|x|y|z|fx
+# Usage: OUT=... [PICK=1] scripts/gpu_next.sh a|b|c|d|e|f|g|h|i|j|k|l|m|n|o|p|q|r|s|t|u|v|w|x|y|z|fx|fxs
 # Carry .whl (../shared/gpu/wheels.sh) and .gpu (../shared/gpu/configs/*.json copied in).
 set -uo pipefail
 out=${OUT:-/tmp/gpu-next}; mkdir -p "$out"
@@ -122,6 +123,17 @@ fx)
             "$@" 2>&1 | tail -2
     done
     timeout 80 python3 scripts/gpu_exl3_check.py --out "$out/int8" --stages engine --budget 70 --engines int8 2>&1 | tail -2
+    ;;
+fxs)
+    # fx for a short budget (~5 min): the sweep, the engine with the 32-row fx variant, the head A/B.
+    mkdir -p "$out/sweep" "$out/exl3-fx32" "$out/exl3-nowide"
+    timeout 110 python3 scripts/gpu_exl3_sweep.py --out "$out/sweep" --budget 100 --combos 4:mul1 --layer-only \
+        --variants mma-8x2-aff-pps8-fo,mma-8x2-aff-pps8-fo-fx,mma-8x2-aff-bm32-fo-fx,mma-8x2-aff-pps8-bm32-fo-fx \
+        2>&1 | grep -E "checks|best at" | tail -4
+    timeout 85 python3 scripts/gpu_exl3_check.py --out "$out/exl3-fx32" --stages engine --budget 75 --engines "exl3 4" \
+        --gemv mma-8x2-aff-pps8-bm32-fo-fx --gemv-max-rows 32 2>&1 | tail -2
+    timeout 85 python3 scripts/gpu_exl3_check.py --out "$out/exl3-nowide" --stages engine --budget 75 --engines "exl3 4" \
+        --no-wide-mma 2>&1 | tail -2
     ;;
 v)
     for norm in 0 1; do
