@@ -42,14 +42,15 @@
 #      at 4.0 bpw with the fx variants for 2-32 rows (aggregate at 32 concurrent), the engine
 #      with the head back on the split kernel (--no-wide-mma), then int8's engine (v1 / v2).
 #   fxs: fx cut to ~5 min (sweep, engine with the 32-row fx variant, the head A/B).
-#   u: l on an H200, fx on any other card.
+#   u: l on an H200, fx on any other card. us: the short budget's u (l without the PDL-off
+#      run and EXL3 at 4.0 bpw and int8 only, ~7 min; else fxs).
 #   z: l on an H200, y on any other card (a call that may get either); w: l on an H200, n on
 #      any other card.
 #   m: the early PDL trigger and the GEMV weight prefetch: a token's linears in one graph
 #      (scripts/gpu_gemv_layers.py), then scripts/gpu_pdl_ab.py (whole-engine A/B, Qwen3-0.6B
 #      and 8B single stream), then the GEMV kernel tests; writes the best env-settable
 #      variant to /tmp/trellm-pick.env (stage l's engine checks then run under it).
-# Usage: OUT=... [PICK=1] scripts/gpu_next.sh a|b|c|d|e|f|g|h|i|j|k|l|m|n|o|p|q|r|s|t|u|v|w|x|y|z|fx|fxs
+# Usage: OUT=... [PICK=1] scripts/gpu_next.sh a|b|c|d|e|f|g|h|i|j|k|l|m|n|o|p|q|r|s|t|u|v|w|x|y|z|fx|fxs|us
 # Carry .whl (../shared/gpu/wheels.sh) and .gpu (../shared/gpu/configs/*.json copied in).
 set -uo pipefail
 out=${OUT:-/tmp/gpu-next}; mkdir -p "$out"
@@ -103,8 +104,9 @@ if base:
 PY
 }
 stage=${1:-a}
-if [ "$stage" = z ] || [ "$stage" = w ] || [ "$stage" = u ]; then
-    other=$(case $stage in z) echo y;; w) echo n;; u) echo fx;; esac)
+if [ "$stage" = z ] || [ "$stage" = w ] || [ "$stage" = u ] || [ "$stage" = us ]; then
+    other=$(case $stage in z) echo y;; w) echo n;; u) echo fx;; us) echo fxs;; esac)
+    if [ "$stage" = us ]; then export SHORT=1 EXL3_S=${EXL3_S:-110} EXL3_ENGINES=${EXL3_ENGINES:-"exl3 4,int8"}; fi
     stage=$(nvidia-smi --query-gpu=name --format=csv,noheader | grep -q H200 && echo l || echo "$other")
     echo "-> stage $stage"
 fi
