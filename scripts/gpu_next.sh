@@ -39,9 +39,9 @@
 #      TRELLM_GEMV_NORM=1 (scripts/gpu_overhead.py --profile, ~4 min).
 #   fx: exl3_mma with x in A-fragment order (FastConfig.frag_x) and with K 5-6 (the 6-bit head):
 #      its GPU kernel tests, the layer sweep at 1 / 8 / 32 rows against the default, the engine
-#      at 4.0 bpw with the fx variants for 2-32 rows (aggregate at 32 concurrent), the engine
-#      with the head back on the split kernel (--no-wide-mma), then int8's engine (v1 / v2).
-#   fxs: fx cut to ~5 min (sweep, engine with the 32-row fx variant, the head A/B).
+#      at 4.0 bpw (exl3_ab: defaults, --no-wide-mma, the fx / block_m 32 variant for 2-32 rows),
+#      then int8's engine (v1 / v2).
+#   fxs: fx cut to ~6 min (a shorter sweep, then exl3_ab).
 #   u: l on an H200, fx on any other card. us: the short budget's u (l without the PDL-off
 #      run and EXL3 at 4.0 bpw and int8 only, ~7 min; else fxs).
 #   z: l on an H200, y on any other card (a call that may get either); w: l on an H200, n on
@@ -85,6 +85,16 @@ norm_checks() {  # $1: kernel-test limit (0: none), $2: correctness limit, $3: A
     timeout $(( $3 + 10 )) python3 scripts/gpu_pdl_ab.py --configs .gpu --out "$out/ab" --budget "$3" --repeats "$4" \
         --variants base,norm-forcenorm 2>&1 | tail -5
 }
+exl3_ab() {  # $1: limit per run. EXL3 4.0 bpw engine: defaults (the head on exl3_mma), the head
+    # and K 5-6 back on the split kernels (--no-wide-mma), 2-32 rows on the fx / block_m 32 variant.
+    local lim=$1 tag run
+    for run in "default" "nowide --no-wide-mma" "fx32 --gemv mma-8x2-aff-pps8-bm32-fo-fx --gemv-max-rows 32"; do
+        set -- $run; tag=$1; shift
+        mkdir -p "$out/exl3-$tag"
+        timeout "$lim" python3 scripts/gpu_exl3_check.py --out "$out/exl3-$tag" --stages engine --budget $((lim - 10)) \
+            --engines "exl3 4" "$@" 2>&1 | tail -2
+    done
+}
 pick_variant() {  # the best env-settable variant of $out/ab/gpu-pdl-ab.json -> /tmp/trellm-pick.env
     rm -f /tmp/trellm-pick.env
     python3 - "$out/ab/gpu-pdl-ab.json" <<'PY'
@@ -112,30 +122,22 @@ if [ "$stage" = z ] || [ "$stage" = w ] || [ "$stage" = u ] || [ "$stage" = us ]
 fi
 case "$stage" in
 fx)
-    mkdir -p "$out/sweep" "$out/exl3-fx" "$out/exl3-fx32" "$out/exl3-nowide" "$out/int8"
-    timeout 100 python3 -m pytest -q -p no:cacheprovider tests/kernels/test_exl3_kernels.py \
+    mkdir -p "$out/sweep" "$out/int8"
+    timeout 90 python3 -m pytest -q -p no:cacheprovider tests/kernels/test_exl3_kernels.py \
         -k "fragment_order or (mma and plain and (4-mul1 or 6-mul1 or 5-mcg))" 2>&1 | tail -2
-    timeout 140 python3 scripts/gpu_exl3_sweep.py --out "$out/sweep" --budget 130 --combos 4:mul1 --layer-only \
-        --variants row-8x4-asm-aff,mma-8x2-aff-pps8-fo,mma-8x2-aff-pps8-fo-fx,mma-8x4-aff-fo-fx,mma-8x2-aff-bm32-fo-fx,mma-8x2-aff-pps8-bm32-fo-fx,mma-8x4-aff-bm32-fo-fx \
+    timeout 120 python3 scripts/gpu_exl3_sweep.py --out "$out/sweep" --budget 110 --combos 4:mul1 --layer-only \
+        --variants row-8x4-asm-aff,mma-8x2-aff-pps8-fo,mma-8x2-aff-pps8-fo-fx,mma-8x4-aff-fo-fx,mma-8x2-aff-bm32-fo-fx,mma-8x2-aff-pps8-bm32-fo-fx \
         2>&1 | grep -E "checks|best at" | tail -4
-    for run in "fx --gemv mma-8x2-aff-pps8-fo-fx --gemv-max-rows 32" "fx32 --gemv mma-8x2-aff-pps8-bm32-fo-fx --gemv-max-rows 32" \
-               "nowide --no-wide-mma"; do
-        set -- $run; tag=$1; shift
-        timeout 85 python3 scripts/gpu_exl3_check.py --out "$out/exl3-$tag" --stages engine --budget 75 --engines "exl3 4" \
-            "$@" 2>&1 | tail -2
-    done
-    timeout 80 python3 scripts/gpu_exl3_check.py --out "$out/int8" --stages engine --budget 70 --engines int8 2>&1 | tail -2
+    exl3_ab 80
+    timeout 75 python3 scripts/gpu_exl3_check.py --out "$out/int8" --stages engine --budget 65 --engines int8 2>&1 | tail -2
     ;;
 fxs)
-    # fx for a short budget (~5 min): the sweep, the engine with the 32-row fx variant, the head A/B.
-    mkdir -p "$out/sweep" "$out/exl3-fx32" "$out/exl3-nowide"
-    timeout 110 python3 scripts/gpu_exl3_sweep.py --out "$out/sweep" --budget 100 --combos 4:mul1 --layer-only \
+    # fx for a short budget (~6 min): the sweep, then the engine A/B (exl3_ab).
+    mkdir -p "$out/sweep"
+    timeout 100 python3 scripts/gpu_exl3_sweep.py --out "$out/sweep" --budget 90 --combos 4:mul1 --layer-only \
         --variants mma-8x2-aff-pps8-fo,mma-8x2-aff-pps8-fo-fx,mma-8x2-aff-bm32-fo-fx,mma-8x2-aff-pps8-bm32-fo-fx \
         2>&1 | grep -E "checks|best at" | tail -4
-    timeout 85 python3 scripts/gpu_exl3_check.py --out "$out/exl3-fx32" --stages engine --budget 75 --engines "exl3 4" \
-        --gemv mma-8x2-aff-pps8-bm32-fo-fx --gemv-max-rows 32 2>&1 | tail -2
-    timeout 85 python3 scripts/gpu_exl3_check.py --out "$out/exl3-nowide" --stages engine --budget 75 --engines "exl3 4" \
-        --no-wide-mma 2>&1 | tail -2
+    exl3_ab 80
     ;;
 v)
     for norm in 0 1; do

@@ -261,6 +261,13 @@ def test_mma_merged_parts_and_dispatch(device):
             _check_fast(f, 5, FastConfig(tk=4, tn=2, dot=False, mma=True, affine=True, fuse_out=True), dtype,
                         want_parts=parts)
         assert int(f.counters.abs().sum()) == 0
+    # x in fragment order with three parts: each part's rows rounded up to whole row blocks
+    # (21: two blocks of 16, the second partial; 40: two programs of 32, block_m 32).
+    _check_fast(f, 21, FastConfig(tk=4, tn=2, dot=False, mma=True, affine=True, frag_x=True), want_parts=parts)
+    _check_fast(f, 40, FastConfig(tk=4, tn=2, warps=2, dot=False, mma=True, block_m=32, fuse_out=True, frag_x=True),
+                want_parts=parts)
+    with pytest.raises(ValueError, match="fragment order"):
+        exl3_fast.fast_input_transform(f, torch.zeros(17, 200, device=device), torch.float16, 24)
     # More row blocks than counters: the separate output transform.
     _check_fast(f, 16 * f.counters.shape[0] + 1, FastConfig(tk=4, tn=2, dot=False, mma=True, fuse_out=True),
                 want_parts=parts)
@@ -337,7 +344,10 @@ def test_fast_several_row_blocks_and_dispatch(device):
     assert exl3_fast.choose_config(1, d, 6) is d.gemv and exl3_fast.choose_config(1, d, 5) is d.gemv
     assert exl3_fast.choose_config(1, d, 4) is d.one_row and exl3_fast.choose_config(1, d, 7) is d.one_row
     from dataclasses import replace
-    assert exl3_fast.choose_config(1, replace(d, wide_mma=False), 6) is d.one_row
+    nowide = replace(d, wide_mma=False)
+    assert exl3_fast.choose_config(1, nowide, 6) is d.one_row
+    assert exl3_fast.choose_config(3, d, 6) is d.gemv and exl3_fast.choose_config(3, nowide, 4) is d.gemv
+    assert exl3_fast.choose_config(3, nowide, 6) == exl3_fast.split_fallback(d.gemv)
     assert exl3_fast.group_size(4) == 8 and exl3_fast.group_size(5) == 4 and exl3_fast.group_size(7) == 2
 
 

@@ -59,8 +59,9 @@ class FastDispatch:
     K > 4 take its exact paths); 2-32 rows exl3_mma with its fused output transform (H100,
     2026-12-06, exl3-sweep-h100-2026-12-06-mma*.json: 127 us a layer at 8 rows against 237
     for the split dot kernel before it, 259 at 32 against 553 for the fused-Hadamard dot
-    kernel; K > 4 falls back to the split dot kernel); the dot kernel with the input
-    Hadamard fused above 32 rows; cuBLAS on reconstructed weights from 256."""
+    kernel; K 7-8 fall back to the split dot kernel, K 5-6 too without ``wide_mma``); the
+    dot kernel with the input Hadamard fused above 32 rows; cuBLAS on reconstructed
+    weights from 256."""
 
     one_row: FastConfig | None = FastConfig(tk=8, tn=4, dot=False, asm=True, row=True, affine=True)
     """M == 1 (None: the gemv config)."""
@@ -68,9 +69,10 @@ class FastDispatch:
                                   fuse_out=True)
     gemv_max_rows: int = 32
     wide_mma: bool = True
-    """K 5-6 (the 6-bit LM head) at one row take the gemv config where it is exl3_mma (three
-    words a group) instead of one_row's split-kernel fallback: 7.0 against 9.95 SASS
-    instructions a weight (sm_90, compiled on the CPU); not yet timed."""
+    """K 5-6 (the 6-bit LM head) take exl3_mma (three words a group): at one row the gemv
+    config where it is mma, instead of one_row's split-kernel fallback (7.0 against 9.95
+    SASS instructions a weight, sm_90, compiled on the CPU; not yet timed), and at 2-32 rows
+    the gemv config itself instead of the split dot kernel. False: both as before."""
     gemm: FastConfig = FastConfig(tk=8, tn=8, in_had=True, asm=True, block_m=32)
     reconstruct_min_rows: int = 256
     """M >= this: decode to fp16 (``fast_reconstruct``) + cuBLAS, per part."""

@@ -399,6 +399,8 @@ def fast_input_transform(f: EXL3Fused, x2: torch.Tensor, dtype: torch.dtype, fra
     rows in mma A-fragment order instead (exl3_decode.fragment_order_ref), rows past M zero."""
     m = x2.shape[0]
     rows = frag_rows or m
+    if frag_rows and (frag_rows % 16 or frag_rows < m or dtype != torch.float16):
+        raise ValueError(f"fragment order takes fp16 and whole 16-row blocks, got {frag_rows} rows for {m}, {dtype}")
     out = torch.empty(len(f.parts), rows, f.padded_in, dtype=dtype, device=x2.device)
     grid = (triton.cdiv(rows, 16), f.padded_in // HAD_SIZE, len(f.parts))
     _in_kernel[grid](x2, f.suh, out, m, f.in_features, f.padded_in, x2.stride(0), rows, BM=16, FRAG=frag_rows > 0,
@@ -418,7 +420,7 @@ def fast_partials(f: EXL3Fused, x2: torch.Tensor, cfg: FastConfig, y: torch.Tens
     in_had = cfg.dot and cfg.in_had and not cfg.split
     mma = _mma_applies(f, cfg)
     if cfg.mma and not mma:  # K 7-8: the split dot kernel
-        cfg = FastConfig(tk=cfg.tk, tn=max(cfg.tn, 2), asm=cfg.asm, split=True)
+        cfg = split_fallback(cfg)
     bm = 16 * exl3_mma.row_blocks(cfg, m) if mma else min(cfg.block_m, max(16, _pow2(m))) if cfg.dot else 1
     if in_had:
         x, stride_xp, stride_xm = x2, 0, x2.stride(0)
@@ -471,13 +473,24 @@ def fast_output_transform(f: EXL3Fused, partials: torch.Tensor, dtype: torch.dty
     return out
 
 
+def split_fallback(cfg: FastConfig) -> FastConfig:
+    """The split dot kernel in place of an mma config, for K it does not take."""
+    return FastConfig(tk=cfg.tk, tn=max(cfg.tn, 2), asm=cfg.asm, split=True)
+
+
 def choose_config(m: int, d: FastDispatch | None = None, bits: int | None = None) -> FastConfig:
+    """The dispatch's config for m rows of a K = ``bits`` weight. K 5-6 (the 6-bit head)
+    take exl3_mma (three words a group) with ``wide_mma``, else as before it: one row the
+    row config's split-kernel fallback, 2-32 rows the split dot kernel."""
     d = d or get_dispatch()
+    wide = bits in MMA_WIDE_BITS
     if m == 1 and d.one_row is not None:
-        if d.wide_mma and bits in MMA_WIDE_BITS and d.one_row.row and d.gemv.mma:
-            return d.gemv  # exl3_mma reads K 5-6 in three words; the row kernel would take the split one
+        if wide and d.wide_mma and d.one_row.row and d.gemv.mma:
+            return d.gemv  # the row kernel needs K <= 4 and would take the split one
         return d.one_row
     cfg = d.gemv if m <= d.gemv_max_rows else d.gemm
+    if wide and cfg.mma and not d.wide_mma:
+        return split_fallback(cfg)
     return cfg if cfg.dot or cfg.mma or m == 1 else FastConfig(**{**cfg.__dict__, "dot": True})
 
 

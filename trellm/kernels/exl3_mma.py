@@ -499,6 +499,8 @@ def mma_partials(f, x: torch.Tensor, m: int, cfg, splits: int, per: int, stride_
     out_features]: also the output transform, fused (``can_fuse``)."""
     ti, tj, _ = f.trellis.shape
     interp = os.environ.get("TRITON_INTERPRET") == "1"
+    if f.bits > 6:  # 7 K + 16 > 64 bits of windows: _wide would drop some
+        raise ValueError(f"exl3_mma takes K <= 6, not {f.bits}")
     if cfg.tk % cfg.warps:
         raise ValueError(f"mma needs warps to divide tk, got {cfg}")
     mb = row_blocks(cfg, m)
