@@ -41,7 +41,8 @@
 #      its GPU kernel tests, the layer sweep at 1 / 8 / 32 rows against the default, the engine
 #      at 4.0 bpw (exl3_ab: defaults, --no-wide-mma, the fx / block_m 32 variant for 2-32 rows),
 #      then int8's engine (v1 / v2).
-#   fxs: fx cut to ~6 min (a shorter sweep, then exl3_ab).
+#   fxs: fx cut to ~6 min (a shorter sweep, then exl3_ab). ab: exl3_ab alone (~4 min).
+#   uss: the shortest u: issue 4's gpu_bench.py alone on an H200 (~5 min), else ab.
 #   u: l on an H200, fx on any other card. us: the short budget's u (l without the PDL-off
 #      run and EXL3 at 4.0 bpw and int8 only, ~7 min; else fxs).
 #   z: l on an H200, y on any other card (a call that may get either); w: l on an H200, n on
@@ -50,7 +51,7 @@
 #      (scripts/gpu_gemv_layers.py), then scripts/gpu_pdl_ab.py (whole-engine A/B, Qwen3-0.6B
 #      and 8B single stream), then the GEMV kernel tests; writes the best env-settable
 #      variant to /tmp/trellm-pick.env (stage l's engine checks then run under it).
-# Usage: OUT=... [PICK=1] scripts/gpu_next.sh a|b|c|d|e|f|g|h|i|j|k|l|m|n|o|p|q|r|s|t|u|v|w|x|y|z|fx|fxs|us
+# Usage: OUT=... [PICK=1] scripts/gpu_next.sh a|b|c|d|e|f|g|h|i|j|k|l|m|n|o|p|q|r|s|t|u|v|w|x|y|z|fx|fxs|us|uss|ab
 # Carry .whl (../shared/gpu/wheels.sh) and .gpu (../shared/gpu/configs/*.json copied in).
 set -uo pipefail
 out=${OUT:-/tmp/gpu-next}; mkdir -p "$out"
@@ -114,9 +115,10 @@ if base:
 PY
 }
 stage=${1:-a}
-if [ "$stage" = z ] || [ "$stage" = w ] || [ "$stage" = u ] || [ "$stage" = us ]; then
-    other=$(case $stage in z) echo y;; w) echo n;; u) echo fx;; us) echo fxs;; esac)
+if [ "$stage" = z ] || [ "$stage" = w ] || [ "$stage" = u ] || [ "$stage" = us ] || [ "$stage" = uss ]; then
+    other=$(case $stage in z) echo y;; w) echo n;; u) echo fx;; us) echo fxs;; uss) echo ab;; esac)
     if [ "$stage" = us ]; then export SHORT=1 EXL3_S=${EXL3_S:-110} EXL3_ENGINES=${EXL3_ENGINES:-"exl3 4,int8"}; fi
+    if [ "$stage" = uss ]; then export SHORT=1 EXL3_S=0; fi
     stage=$(nvidia-smi --query-gpu=name --format=csv,noheader | grep -q H200 && echo l || echo "$other")
     echo "-> stage $stage"
 fi
@@ -130,6 +132,9 @@ fx)
         2>&1 | grep -E "checks|best at" | tail -4
     exl3_ab 80
     timeout 75 python3 scripts/gpu_exl3_check.py --out "$out/int8" --stages engine --budget 65 --engines int8 2>&1 | tail -2
+    ;;
+ab)
+    exl3_ab 75
     ;;
 fxs)
     # fx for a short budget (~6 min): the sweep, then the engine A/B (exl3_ab).
