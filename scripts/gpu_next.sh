@@ -134,7 +134,7 @@ fx)
     timeout 75 python3 scripts/gpu_exl3_check.py --out "$out/int8" --stages engine --budget 65 --engines int8 2>&1 | tail -2
     ;;
 ab)
-    exl3_ab 75
+    exl3_ab "${AB_LIM:-75}"
     ;;
 fxs)
     # fx for a short budget (~6 min): the sweep, then the engine A/B (exl3_ab).
