@@ -50,6 +50,15 @@ class FastConfig:
     """Rows per program for the dot (16..64; M above it takes several row blocks)."""
 
 
+MMA_WIDE_BITS = (5, 6)
+"""K where exl3_mma reads three words a group (7 K + 16 <= 64 bits of windows)."""
+
+
+def split_fallback(cfg: FastConfig) -> FastConfig:
+    """The split dot kernel in place of an mma config, for K it does not take."""
+    return FastConfig(tk=cfg.tk, tn=max(cfg.tn, 2), asm=cfg.asm, split=True)
+
+
 @dataclass(frozen=True)
 class FastDispatch:
     """Which FastConfig runs for M rows. Defaults: the picks of scripts/gpu_exl3_sweep.py
@@ -78,3 +87,17 @@ class FastDispatch:
     """M >= this: decode to fp16 (``fast_reconstruct``) + cuBLAS, per part."""
     reconstruct_cols: int = 16384
     """Output columns decoded per slice on that path (bounds its temporary)."""
+
+    def config_for(self, m: int, bits: int | None = None) -> FastConfig:
+        """The config for m rows of a K = ``bits`` weight. K 5-6 (the 6-bit head) take
+        exl3_mma (three words a group) with ``wide_mma``, else as before it: one row the row
+        config's split-kernel fallback, 2-32 rows the split dot kernel."""
+        wide = bits in MMA_WIDE_BITS
+        if m == 1 and self.one_row is not None:
+            if wide and self.wide_mma and self.one_row.row and self.gemv.mma:
+                return self.gemv  # the row kernel needs K <= 4 and would take the split one
+            return self.one_row
+        cfg = self.gemv if m <= self.gemv_max_rows else self.gemm
+        if wide and cfg.mma and not self.wide_mma:
+            return split_fallback(cfg)
+        return cfg if cfg.dot or cfg.mma or m == 1 else FastConfig(**{**cfg.__dict__, "dot": True})

@@ -51,7 +51,8 @@ from dataclasses import dataclass
 import torch
 
 from trellm.kernels._triton import tl, triton, pdl_begin, pdl_kwargs
-from trellm.kernels.exl3_config import FastConfig, FastDispatch  # re-exported: callers import them from here
+# re-exported: callers import them from here
+from trellm.kernels.exl3_config import MMA_WIDE_BITS, FastConfig, FastDispatch, split_fallback  # noqa: F401
 from trellm.kernels.exl3_decode import CODEBOOK_IDS, _in_kernel, _inst_value, _out_kernel, kernel_bits
 from trellm.kernels.paged_attention import _num_sms
 from trellm.quant.exl3.hadamard import HAD_SIZE
@@ -69,8 +70,6 @@ def group_size(k: int) -> int:
 
 
 GROUP = {k: group_size(k) for k in range(1, 9)}
-MMA_WIDE_BITS = (5, 6)
-"""K where exl3_mma reads three words a group (7 K + 16 <= 64 bits of windows)."""
 
 
 _STATE = {"dispatch": FastDispatch()}
@@ -473,25 +472,9 @@ def fast_output_transform(f: EXL3Fused, partials: torch.Tensor, dtype: torch.dty
     return out
 
 
-def split_fallback(cfg: FastConfig) -> FastConfig:
-    """The split dot kernel in place of an mma config, for K it does not take."""
-    return FastConfig(tk=cfg.tk, tn=max(cfg.tn, 2), asm=cfg.asm, split=True)
-
-
 def choose_config(m: int, d: FastDispatch | None = None, bits: int | None = None) -> FastConfig:
-    """The dispatch's config for m rows of a K = ``bits`` weight. K 5-6 (the 6-bit head)
-    take exl3_mma (three words a group) with ``wide_mma``, else as before it: one row the
-    row config's split-kernel fallback, 2-32 rows the split dot kernel."""
-    d = d or get_dispatch()
-    wide = bits in MMA_WIDE_BITS
-    if m == 1 and d.one_row is not None:
-        if wide and d.wide_mma and d.one_row.row and d.gemv.mma:
-            return d.gemv  # the row kernel needs K <= 4 and would take the split one
-        return d.one_row
-    cfg = d.gemv if m <= d.gemv_max_rows else d.gemm
-    if wide and cfg.mma and not d.wide_mma:
-        return split_fallback(cfg)
-    return cfg if cfg.dot or cfg.mma or m == 1 else FastConfig(**{**cfg.__dict__, "dot": True})
+    """``FastDispatch.config_for`` of the dispatch in use (or ``d``)."""
+    return (d or get_dispatch()).config_for(m, bits)
 
 
 def fast_matmul(f: EXL3Fused, x: torch.Tensor, cfg: FastConfig | None = None,

@@ -320,46 +320,37 @@ def _slice_load(pa_r, pb_r, pc_r, tno, xp, tk, m, M, TI, stride_xm, zero, K: tl.
     tile column), the A fragments at xp (x row g's word of tile row tk; FRAG: the lane's a0
     word of it); tk masks the rows past the weight's unless EVEN_K. K 5-6: a third word
     (pc_r), else ``zero``."""
+    a = _ld(pa_r + tno, tk < TI, EVEN_K)
+    b = _ld(pb_r + tno, tk < TI, EVEN_K)
     c = zero
     if K > 4:
         c = _ld(pc_r + tno, tk < TI, EVEN_K)
-    if FRAG:  # rows past M are zeros in x: only K's edge is masked
-        return (c,) + _slice_load_frag(pa_r, pb_r, tno, xp, tk, TI, zero, ROWS16, MB, EVEN_K)
-    if EVEN_K:
-        a = tl.load(pa_r + tno)
-        b = tl.load(pb_r + tno)
-        xm0 = m < M
-    else:
-        a = tl.load(pa_r + tno, mask=tk < TI, other=0)
-        b = tl.load(pb_r + tno, mask=tk < TI, other=0)
-        xm0 = (m < M) & (tk < TI)
-    a0, a1, a2, a3 = _a_frags(xp, xm0, m, M, stride_xm, ROWS16, zero)
     c0, c1, c2, c3 = zero, zero, zero, zero
+    if FRAG:  # rows past M are zeros in x: only K's edge is masked
+        a0, a1, a2, a3 = _a_frags_frag(xp, tk, TI, zero, ROWS16, EVEN_K)
+        if MB == 2:  # rows 16-31: the next row block, TI tile rows further on
+            c0, c1, c2, c3 = _a_frags_frag(xp + TI.to(tl.int64) * 128, tk, TI, zero, True, EVEN_K)
+        return c, a, b, a0, a1, a2, a3, c0, c1, c2, c3
+    xm0 = m < M
+    if not EVEN_K:
+        xm0 = xm0 & (tk < TI)
+    a0, a1, a2, a3 = _a_frags(xp, xm0, m, M, stride_xm, ROWS16, zero)
     if MB == 2:  # rows 16-31
         c0, c1, c2, c3 = _a_frags(xp + 16 * stride_xm, xm0 & (m + 16 < M), m + 16, M, stride_xm, True, zero)
     return c, a, b, a0, a1, a2, a3, c0, c1, c2, c3
 
 
 @triton.jit
-def _slice_load_frag(pa_r, pb_r, tno, xp, tk, TI, zero, ROWS16: tl.constexpr, MB: tl.constexpr, EVEN_K: tl.constexpr):
-    """_slice_load with x in A-fragment order: register r of every lane is 32 consecutive
-    words at xp + 32 r; the next row block's TI tile rows further on."""
-    a = _ld(pa_r + tno, tk < TI, EVEN_K)
-    b = _ld(pb_r + tno, tk < TI, EVEN_K)
+def _a_frags_frag(xp, tk, TI, zero, ROWS16: tl.constexpr, EVEN_K: tl.constexpr):
+    """_a_frags with x in fragment order: register r of every lane is the 32 consecutive
+    words at xp + 32 r (a1 / a3, rows g + 8, zero unless ROWS16)."""
     a0 = _ld(xp, tk < TI, EVEN_K).to(tl.uint32, bitcast=True)
     a2 = _ld(xp + 64, tk < TI, EVEN_K).to(tl.uint32, bitcast=True)
     a1, a3 = zero, zero
     if ROWS16:
         a1 = _ld(xp + 32, tk < TI, EVEN_K).to(tl.uint32, bitcast=True)
         a3 = _ld(xp + 96, tk < TI, EVEN_K).to(tl.uint32, bitcast=True)
-    c0, c1, c2, c3 = zero, zero, zero, zero
-    if MB == 2:  # rows 16-31
-        xq = xp + TI.to(tl.int64) * 128
-        c0 = _ld(xq, tk < TI, EVEN_K).to(tl.uint32, bitcast=True)
-        c1 = _ld(xq + 32, tk < TI, EVEN_K).to(tl.uint32, bitcast=True)
-        c2 = _ld(xq + 64, tk < TI, EVEN_K).to(tl.uint32, bitcast=True)
-        c3 = _ld(xq + 96, tk < TI, EVEN_K).to(tl.uint32, bitcast=True)
-    return a, b, a0, a1, a2, a3, c0, c1, c2, c3
+    return a0, a1, a2, a3
 
 
 @triton.jit
