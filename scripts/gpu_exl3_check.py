@@ -374,12 +374,15 @@ def _one_engine(cfg_path: str, device: str, kw: dict, concurrent: bool, smoke: b
     single = run(llm, prompts(vocab, 1, 16 if smoke else 128, seed=2), new)
     r["decode_tok_s"] = round(single["decode_tok_s"], 1)
     r["ttft_ms"] = round(single["ttft_ms"], 1)
+    # greedy tokens, so runs under different dispatches can be compared (scripts/tokens_diff.py)
+    r["single_token_ids"] = single["token_ids"][0]
     walls = [run(llm, prompts(vocab, 1, prefill_len, seed=3 + i), 1)["wall_s"] for i in range(2)]
     r[f"prefill_{prefill_len}_tok_s"] = round(prefill_len / min(walls), 1)
     if concurrent:
         agg = run(llm, prompts(vocab, conc, 16 if smoke else 128, seed=9), new // 2)
         r[f"aggregate_{conc}"] = {"tok_s": round(agg["tokens"] / agg["wall_s"], 1),
                                   "decode_tok_s": round(agg["decode_tok_s"], 1), "new_per_request": new // 2}
+        r[f"aggregate_{conc}_token_ids"] = agg["token_ids"]
     del llm, w
     free()
     return r

@@ -87,6 +87,9 @@ VARIANTS: dict[str, tuple[FastConfig, tuple[int, ...]]] = {
     # MUL1 weights not rounded to fp16 (exl3_row's AFF): ~6.2 instead of 8.6 instructions per weight.
     "row-8x4-asm-aff": (FastConfig(tk=8, tn=4, dot=False, asm=True, row=True, affine=True), (1,)),
     "row-16x4-asm-aff": (FastConfig(tk=16, tn=4, dot=False, asm=True, row=True, affine=True), (1,)),
+    # the output transform run by the last program of each 128-column block (no out launch)
+    "row-8x4-asm-aff-fo": (FastConfig(tk=8, tn=4, dot=False, asm=True, row=True, affine=True, fuse_out=True), (1,)),
+    "row-8x8-asm-aff-fo": (FastConfig(tk=8, tn=8, dot=False, asm=True, row=True, affine=True, fuse_out=True), (1,)),
     "row-8x4-asm-aff-pps8": (FastConfig(tk=8, tn=4, dot=False, asm=True, row=True, affine=True,
                                         programs_per_sm=8), (1,)),
     # exl3_mma: lanes decode their own mma B fragments (1-16 rows per program for one decode).

@@ -151,6 +151,10 @@ FAST_ROWS = [
     (1, FastConfig(tk=8, tn=2, dot=False, row=True)),
     (1, FastConfig(tk=16, tn=4, dot=False, row=True, affine=True)),  # MUL1 unrounded (others: exact path)
     (1, FastConfig(tk=8, tn=2, dot=False, row=True, affine=True, asm=True)),
+    # fuse_out: the last program of each 128-column block runs the output transform (K > 4:
+    # the split kernel, unfused); tn 8: one program a block per split, uneven K
+    (1, FastConfig(tk=16, tn=4, dot=False, row=True, affine=True, asm=True, fuse_out=True)),
+    (1, FastConfig(tk=16, tn=8, dot=False, row=True, fuse_out=True)),
     (3, FastConfig(tk=8, tn=4)),  # dot, 3 splits of one step
     (3, FastConfig(tk=8, tn=4, split=True)),
     (8, FastConfig(tk=8, tn=8, in_had=True)),  # input Hadamard fused
@@ -298,6 +302,17 @@ def test_fast_merged_parts_unpadded_bias_dtypes(device):
     _check_fast(f, 4, FastConfig(tk=4, tn=4, split=True), torch.bfloat16, want_parts=parts)
     _check_fast(f, 1, FastConfig(tk=4, tn=2, dot=False, row=True), want_parts=parts)  # part lookup
     _check_fast(f, 1, FastConfig(tk=4, tn=2, dot=False, row=True, affine=True), want_parts=parts)
+    # The row kernel's fused output transform over three parts with bias: twice (the
+    # counters are back at 0 after each call), and within float32 rounding of the separate
+    # output-transform launch (a Hadamard by butterflies there, by a tf32x3 dot here).
+    fused = FastConfig(tk=4, tn=2, dot=False, row=True, affine=True, fuse_out=True)
+    for _ in range(2):
+        _check_fast(f, 1, fused, want_parts=parts)
+    assert int(f.counters.abs().sum()) == 0
+    x = torch.randn(1, 200, generator=torch.Generator().manual_seed(7)).to(device)
+    one = exl3_fast.fast_matmul(f, x, fused)
+    sep = exl3_fast.fast_output_transform(f, exl3_fast.fast_partials(f, x, fused), torch.float32)
+    torch.testing.assert_close(one, sep, rtol=1e-5, atol=1e-5)
     # The parts are views of the fused trellis now; the per-part kernels still read them.
     _ok(qt.check_exl3_matmul(f.parts[2], 3, torch.float32, "gemv", BIG))
     _ok(qt.check_exl3_reconstruct(f.parts[1], block=ONE.reconstruct))

@@ -34,8 +34,8 @@ class FastConfig:
     weights are 1024 + B in fp16 and the affine map is applied to the sums. block_m 32:
     two 16-row blocks share each decode."""
     fuse_out: bool = False
-    """With mma: the last program of each 128-column block runs the output transform (no
-    output-transform launch)."""
+    """With mma or row (one row, K <= 4): the last program of each 128-column block runs the
+    output transform (no output-transform launch)."""
     prefetch: int = 0
     """With mma: the next K step's weight words and x A-fragments are loaded before the
     current step is decoded (software-pipelined K loop, carried through it per slice).
@@ -72,10 +72,15 @@ class FastDispatch:
     dot kernel with the input Hadamard fused above 32 rows; cuBLAS on reconstructed
     weights from 256."""
 
-    one_row: FastConfig | None = FastConfig(tk=8, tn=4, dot=False, asm=True, row=True, affine=True)
-    """M == 1 (None: the gemv config)."""
+    one_row: FastConfig | None = FastConfig(tk=8, tn=4, dot=False, asm=True, row=True, affine=True, fuse_out=True)
+    """M == 1 (None: the gemv config). fuse_out: the 8B decode graph at 4.0 bpw spent 684 of
+    its 4,367 us a token in the separate output-transform launches (H100, 2026-12-07,
+    scripts/gpu_overhead.py --profile); exl3_mma's fused transform was ~11 us a layer
+    faster than its separate one (2026-12-06 sweep). The row kernel's is not yet timed."""
     gemv: FastConfig = FastConfig(tk=8, tn=2, dot=False, asm=True, mma=True, affine=True, programs_per_sm=8,
-                                  fuse_out=True)
+                                  fuse_out=True, frag_x=True)
+    """2-32 rows. frag_x: 249 against 277 us a layer at 32 rows, 126 against 129 at 8 (H100,
+    2026-12-07 sweep, exl3-sweep-h100-2026-12-07-fx.json; the engine not yet timed with it)."""
     gemv_max_rows: int = 32
     wide_mma: bool = True
     """K 5-6 (the 6-bit LM head) take exl3_mma (three words a group): at one row the gemv

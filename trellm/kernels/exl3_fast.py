@@ -382,8 +382,8 @@ def _check(cfg: FastConfig, m: int) -> None:
         raise ValueError(f"row is the one-row FMA kernel (dot=False), got {cfg}")
     if cfg.affine and not (cfg.row or cfg.mma):
         raise ValueError(f"affine is a mode of the row and mma kernels, got {cfg}")
-    if cfg.fuse_out and not cfg.mma:
-        raise ValueError(f"fuse_out is a mode of the mma kernel, got {cfg}")
+    if cfg.fuse_out and not (cfg.mma or (cfg.row and not cfg.dot)):
+        raise ValueError(f"fuse_out is a mode of the mma and row kernels, got {cfg}")
     if cfg.prefetch not in (0, 1, 2) or (cfg.prefetch and not cfg.mma):
         raise ValueError(f"prefetch (0 / False, 1 / True or 2 steps) is a mode of the mma kernel, got {cfg}")
     if cfg.frag_x and not cfg.mma:
@@ -409,8 +409,8 @@ def fast_input_transform(f: EXL3Fused, x2: torch.Tensor, dtype: torch.dtype, fra
 
 def fast_partials(f: EXL3Fused, x2: torch.Tensor, cfg: FastConfig, y: torch.Tensor | None = None) -> torch.Tensor:
     """Split-K partials [S, M, sum out_p] (float32) of every part's ``xh @ Wq``; x2 is the
-    raw activations [M, in_features] (contiguous rows). ``y``: exl3_mma writes the
-    transformed output there too (``exl3_mma.can_fuse``)."""
+    raw activations [M, in_features] (contiguous rows). ``y``: exl3_mma or exl3_row writes
+    the transformed output there too (``_can_fuse``)."""
     from trellm.kernels import exl3_mma  # its module constants need Triton: imported on use
 
     m = x2.shape[0]
@@ -438,14 +438,17 @@ def fast_partials(f: EXL3Fused, x2: torch.Tensor, cfg: FastConfig, y: torch.Tens
     if mma:
         exl3_mma.mma_partials(f, x, m, cfg, splits, per, stride_xp, stride_xm, out, _use_asm(cfg.asm, f.codebook), y)
         return out
-    if cfg.row and not cfg.dot and GROUP[f.bits] == 8:
+    if _row_applies(f, cfg):
         from trellm.kernels.exl3_row import _row_kernel
 
+        fused = y is not None
         _row_kernel[(blocks_n, splits)](
             x, f.trellis.view(torch.int32), f.tile_part, out, ti, _tile_stride(f.trellis), f.padded_out, per,
-            stride_xp, K=f.bits, CB=CODEBOOK_IDS[f.codebook], TK=cfg.tk, TN=cfg.tn, EVEN_K=ti % cfg.tk == 0,
-            ASM=_use_asm(cfg.asm, f.codebook), AFF=cfg.affine and f.codebook == "mul1", num_warps=cfg.warps,
-            num_stages=cfg.stages, **pdl_kwargs(gpu_checked=False))
+            stride_xp, y if fused else out, f.svh, f.bias if f.bias is not None else f.svh, f.dest, f.ncols,
+            f.counters if fused else f.tile_part, K=f.bits, CB=CODEBOOK_IDS[f.codebook], TK=cfg.tk, TN=cfg.tn,
+            EVEN_K=ti % cfg.tk == 0, ASM=_use_asm(cfg.asm, f.codebook), AFF=cfg.affine and f.codebook == "mul1",
+            FUSE=fused, HAS_BIAS=f.bias is not None, num_warps=cfg.warps, num_stages=cfg.stages,
+            **pdl_kwargs(gpu_checked=False))
         return out
     consts = dict(K=f.bits, CB=CODEBOOK_IDS[f.codebook], G=GROUP[f.bits], TK=cfg.tk, TN=cfg.tn, BM=bm, DOT=cfg.dot,
                   EVEN_K=ti % cfg.tk == 0, ASM=_use_asm(cfg.asm, f.codebook), num_warps=cfg.warps,
@@ -491,7 +494,7 @@ def fast_matmul(f: EXL3Fused, x: torch.Tensor, cfg: FastConfig | None = None,
     if cfg is None and m >= d.reconstruct_min_rows:
         return fast_prefill(f, x2, d.reconstruct_cols, x.dtype).reshape(*x.shape[:-1], f.out_features)
     cfg = cfg or choose_config(m, d, f.bits)
-    if _mma_applies(f, cfg) and _mma_can_fuse(f, cfg, m):
+    if _can_fuse(f, cfg, m):
         y = torch.empty(m, f.out_features, dtype=x.dtype, device=x.device)
         fast_partials(f, x2, cfg, y)
         return y.reshape(*x.shape[:-1], f.out_features)
@@ -505,10 +508,20 @@ def _mma_applies(f: EXL3Fused, cfg: FastConfig) -> bool:
     return cfg.mma and (GROUP[f.bits] == 8 or f.bits in MMA_WIDE_BITS)
 
 
-def _mma_can_fuse(f: EXL3Fused, cfg: FastConfig, m: int) -> bool:
+def _row_applies(f: EXL3Fused, cfg: FastConfig) -> bool:
+    """exl3_row's kernel runs for a row config where a group's 8 weights lie in a word pair
+    (K <= 4); other K take the split kernel."""
+    return cfg.row and not cfg.dot and not cfg.mma and GROUP[f.bits] == 8
+
+
+def _can_fuse(f: EXL3Fused, cfg: FastConfig, m: int) -> bool:
+    """Whether the main kernel runs the output transform itself (``fuse_out``): exl3_mma
+    (its counters: a row of them per row-block program) or exl3_row (one row)."""
     from trellm.kernels import exl3_mma
 
-    return exl3_mma.can_fuse(f, cfg, m)
+    if _mma_applies(f, cfg):
+        return exl3_mma.can_fuse(f, cfg, m)
+    return _row_applies(f, cfg) and cfg.fuse_out and m == 1 and f.counters is not None
 
 
 def fast_prefill(f: EXL3Fused, x2: torch.Tensor, max_cols: int, dtype: torch.dtype) -> torch.Tensor:

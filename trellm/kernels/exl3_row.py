@@ -35,6 +35,7 @@ from __future__ import annotations
 
 from trellm.kernels._triton import tl, triton, pdl_begin, pdl_kwargs
 from trellm.kernels.exl3_fast import _byte_sum, _weight
+from trellm.kernels.exl3_mma import _arrive_and_finish
 
 K_INV = 0.00676727294921875  # fp16 0x1EEE
 C0 = tl.constexpr(1024 * K_INV - 10.3828125)  # 1024 k_inv + k_bias (fp16 0xC931) = -3.453125, exact
@@ -51,10 +52,15 @@ def _affine_v(p, sh, J: tl.constexpr, K: tl.constexpr, ASM: tl.constexpr):
 
 @triton.jit(do_not_specialize=["per_split"])
 def _row_kernel(x_ptr, w_ptr, tile_part_ptr, out_ptr, TI, TJS, NP, per_split, stride_xp,
+                y_ptr, svh_ptr, bias_ptr, dest_ptr, ncols_ptr, counter_ptr,
                 K: tl.constexpr, CB: tl.constexpr, TK: tl.constexpr, TN: tl.constexpr,
-                EVEN_K: tl.constexpr, ASM: tl.constexpr, AFF: tl.constexpr, PDL: tl.constexpr = False):
+                EVEN_K: tl.constexpr, ASM: tl.constexpr, AFF: tl.constexpr, FUSE: tl.constexpr = False,
+                HAS_BIAS: tl.constexpr = False, PDL: tl.constexpr = False):
     """out[split, 0, block] = xh[the split's K rows] @ Wq[those rows, block] (float32), one row.
-    Grid: (column blocks of 16 TN, splits). x: the part's transformed x, float32."""
+    Grid: (column blocks of 16 TN, splits). x: the part's transformed x, float32.
+    ``FUSE``: as exl3_mma's, the last program to finish a 128-column block runs the output
+    transform for it into y (exl3_mma._arrive_and_finish): the 8B decode graph's separate
+    output-transform launches were 684 of its 4,367 us a token (H100, 2026-12-07)."""
     pdl_begin(PDL)
     pid_n = tl.program_id(0)
     pid_s = tl.program_id(1)
@@ -113,3 +119,7 @@ def _row_kernel(x_ptr, w_ptr, tile_part_ptr, out_ptr, TI, TJS, NP, per_split, st
     out = out_ptr + pid_s.to(tl.int64) * NP + cols
     tl.store(out, y0)
     tl.store(out + 8, y1)
+    if FUSE:
+        blk = pid_n * TN * 16 // 128
+        _arrive_and_finish(out_ptr, y_ptr, svh_ptr, bias_ptr, dest_ptr, ncols_ptr, counter_ptr + blk, 0, blk, 1, NP, 0,
+                           tl.num_programs(1) * (128 // (16 * TN)), tl.num_programs(1), 8, HAS_BIAS)

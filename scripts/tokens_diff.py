@@ -1,0 +1,49 @@
+"""Compare the greedy tokens of engine runs (scripts/gpu_exl3_check.py's engine JSON):
+for each run against the first, the positions of the single stream and of the aggregate
+requests where the tokens agree, up to the first difference (a near-tie on random weights
+diverges once and never comes back, so "equal up to" is the measure).
+
+    python3 scripts/tokens_diff.py A/gpu-exl3.json B/gpu-exl3.json [...]
+"""
+from __future__ import annotations
+
+import json
+import sys
+
+
+def _prefix(a: list[int], b: list[int]) -> int:
+    n = 0
+    for x, y in zip(a, b):
+        if x != y:
+            break
+        n += 1
+    return n
+
+
+def runs(path: str) -> dict[str, dict]:
+    return {f"{path}:{name}": r for name, r in json.load(open(path)).get("engine", {}).items()
+            if "single_token_ids" in r}
+
+
+def compare(base: dict, other: dict) -> dict:
+    out = {"single": f"{_prefix(base['single_token_ids'], other['single_token_ids'])}/"
+                     f"{len(base['single_token_ids'])}"}
+    for key in base:
+        if key.endswith("_token_ids") and key != "single_token_ids" and key in other:
+            pre = [_prefix(a, b) for a, b in zip(base[key], other[key])]
+            full = sum(p == len(a) for p, a in zip(pre, base[key]))
+            out[key] = f"{full}/{len(pre)} requests equal (shortest common prefix {min(pre, default=0)})"
+    return out
+
+
+def main(paths: list[str]) -> None:
+    allruns = {k: v for p in paths for k, v in runs(p).items()}
+    if len(allruns) < 2:
+        sys.exit("tokens_diff: need two engine runs with token ids")
+    (base_name, base), *rest = allruns.items()
+    report = {"base": base_name, "against": {name: compare(base, r) for name, r in rest}}
+    print(json.dumps(report, indent=1))
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])
