@@ -101,16 +101,19 @@ exl3_ab() {  # $1: limit per run. EXL3 4.0 bpw engine: defaults (the head on exl
             --engines "exl3 4" "$@" 2>&1 | tail -2
     done
 }
-rf_ab() {  # $1: limit per run. EXL3 4.0 bpw engine: the defaults, then the ones before the row
-    # kernel's fused output transform and frag_x; then their greedy tokens compared.
+rf_ab() {  # $1: limit per run. EXL3 4.0 bpw engine: the defaults, the ones before the row
+    # kernel's fused output transform, frag_x and the one-row input transform by butterflies
+    # (in_fwht), and the defaults with only in_fwht off; then their greedy tokens compared.
     local lim=$1 tag run
-    for run in "new" "old --one-row row-8x4-asm-aff --gemv mma-8x2-aff-pps8-fo --gemv-max-rows 32"; do
+    for run in "new" "old --one-row row-8x4-asm-aff --gemv mma-8x2-aff-pps8-fo --gemv-max-rows 32 --no-in-fwht" \
+        "dot --no-in-fwht"; do
         set -- $run; tag=$1; shift
         mkdir -p "$out/exl3-$tag"
         timeout "$lim" python3 scripts/gpu_exl3_check.py --out "$out/exl3-$tag" --stages engine --budget $((lim - 10)) \
             --engines "exl3 4" "$@" 2>&1 | tail -2
     done
-    python3 scripts/tokens_diff.py "$out/exl3-new/gpu-exl3.json" "$out/exl3-old/gpu-exl3.json" 2>&1 | tail -8
+    python3 scripts/tokens_diff.py "$out/exl3-new/gpu-exl3.json" "$out/exl3-old/gpu-exl3.json" \
+        "$out/exl3-dot/gpu-exl3.json" 2>&1 | tail -14
 }
 rf_sweep() {  # $1: limit
     mkdir -p "$out/sweep"

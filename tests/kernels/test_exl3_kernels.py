@@ -3,6 +3,8 @@ reference decoder: the decode bit-exact for every K and codebook, each matmul pa
 within ``testing.quant_tolerance``, rows 1/3/16/33, widths that are multiples of 128
 but not of the kernels' blocks. Under the interpreter the block sizes are raised
 (fewer programs, same code) except in the tests of the GPU's own block sizes."""
+import dataclasses
+
 import pytest
 import torch
 
@@ -248,12 +250,27 @@ def test_input_transform_in_fragment_order(rows, device):
     x = torch.randn(rows, 200, generator=torch.Generator().manual_seed(rows)).to(device)
     padded = 16 * -(-rows // 16)
     got = exl3_fast.fast_input_transform(f, x, torch.float16, padded)
-    plain = exl3_fast.fast_input_transform(f, x, torch.float16)
+    # the plain transform of the rows padded with zeros: the same 16-row dot (one row alone
+    # takes the butterflies, rounded differently)
+    xz = torch.zeros(padded, 200, device=device)
+    xz[:rows] = x
+    plain = exl3_fast.fast_input_transform(f, xz, torch.float16)
     assert got.shape == (2, padded, f.padded_in)
     for p in range(2):
-        want = torch.zeros(padded, f.padded_in, dtype=torch.float16, device=x.device)
-        want[:rows] = plain[p]
-        assert torch.equal(got[p].reshape(-1), exl3_decode.fragment_order_ref(want))
+        assert torch.equal(got[p].reshape(-1), exl3_decode.fragment_order_ref(plain[p]))
+    # one row: the butterflies (_in_kernel's FWHT) against the reference transform
+    one = exl3_fast.fast_input_transform(f, x[:1], torch.float32)
+    for p, part in enumerate(f.parts):
+        torch.testing.assert_close(one[p], exl3_decode.exl3_input_transform_ref(part, x[:1], torch.float32),
+                                   rtol=1e-5, atol=1e-6)
+    # FastDispatch.in_fwht off: one row takes the 16-row dot, bit for bit as in a block
+    d = exl3_fast.get_dispatch()
+    try:
+        exl3_fast.set_dispatch(dataclasses.replace(d, in_fwht=False))
+        dot = exl3_fast.fast_input_transform(f, x[:1], torch.float16)
+    finally:
+        exl3_fast.set_dispatch(d)
+    assert torch.equal(dot[:, 0], plain[:, 0])
 
 
 def test_mma_merged_parts_and_dispatch(device):

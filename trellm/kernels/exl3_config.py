@@ -75,18 +75,25 @@ class FastDispatch:
     one_row: FastConfig | None = FastConfig(tk=8, tn=4, dot=False, asm=True, row=True, affine=True, fuse_out=True)
     """M == 1 (None: the gemv config). fuse_out: the 8B decode graph at 4.0 bpw spent 684 of
     its 4,367 us a token in the separate output-transform launches (H100, 2026-12-07,
-    scripts/gpu_overhead.py --profile); exl3_mma's fused transform was ~11 us a layer
-    faster than its separate one (2026-12-06 sweep). The row kernel's is not yet timed."""
+    scripts/gpu_overhead.py --profile); fused, 108 against 120 us a layer and the engine
+    233 against 214 tok/s (H100, gpu-exl3-engine-h100-2026-12-07-rowfuse-*.json)."""
     gemv: FastConfig = FastConfig(tk=8, tn=2, dot=False, asm=True, mma=True, affine=True, programs_per_sm=8,
                                   fuse_out=True, frag_x=True)
     """2-32 rows. frag_x: 249 against 277 us a layer at 32 rows, 126 against 129 at 8 (H100,
-    2026-12-07 sweep, exl3-sweep-h100-2026-12-07-fx.json; the engine not yet timed with it)."""
+    2026-12-07 sweep, exl3-sweep-h100-2026-12-07-fx.json; with the row kernel's fuse_out,
+    aggregate decode at 32 concurrent 3,350 against 3,076 tok/s)."""
     gemv_max_rows: int = 32
     wide_mma: bool = True
     """K 5-6 (the 6-bit LM head) take exl3_mma (three words a group): at one row the gemv
     config where it is mma, instead of one_row's split-kernel fallback (7.0 against 9.95
     SASS instructions a weight, sm_90, compiled on the CPU; not yet timed), and at 2-32 rows
     the gemv config itself instead of the split dot kernel. False: both as before."""
+    in_fwht: bool = True
+    """One row's input transform (exl3_decode._in_kernel) by butterflies in registers, one
+    warp a 128-block (200 SASS instructions), instead of the 16-row tf32x3 dot against the
+    sign matrix on 8 warps (1,832 each, and 64 KB of shared memory staged): the 8B decode
+    graph spent 548 of its 4,367 us a token in the input transforms (H100, 2026-12-07).
+    Not yet timed. False: the dot, as before."""
     gemm: FastConfig = FastConfig(tk=8, tn=8, in_had=True, asm=True, block_m=32)
     reconstruct_min_rows: int = 256
     """M >= this: decode to fp16 (``fast_reconstruct``) + cuBLAS, per part."""

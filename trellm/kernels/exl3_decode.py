@@ -250,6 +250,17 @@ def _hadamard_signs():
     return 1.0 - 2.0 * (v & 1).to(tl.float32)
 
 
+@triton.jit
+def _fwht128(v, BM: tl.constexpr):
+    """v [BM, 128] times the 128 x 128 Sylvester matrix (unscaled): seven constant-geometry
+    butterflies; each takes (j, j + 64) to (2 j, 2 j + 1) = (sum, difference), so index bit
+    6 is transformed and rotated to bit 0, and after seven every bit is, in place."""
+    for _ in tl.static_range(7):
+        a, b = tl.split(tl.permute(tl.reshape(v, (BM, 2, 64)), 0, 2, 1))
+        v = tl.reshape(tl.join(a + b, a - b), (BM, 128))
+    return v
+
+
 @triton.jit(do_not_specialize=["M"])
 def _input_transform_kernel(x_ptr, suh_ptr, out_ptr, M, n_in, stride_x, stride_o, BM: tl.constexpr):
     rows = tl.program_id(0) * BM + tl.arange(0, BM)
@@ -323,10 +334,13 @@ def exl3_output_transform_ref(w: EXL3Weight, partials: torch.Tensor, dtype: torc
 
 @triton.jit(do_not_specialize=["M", "n_in", "rows_p"])
 def _in_kernel(x_ptr, suh_ptr, out_ptr, M, n_in, in_p, stride_x, rows_p, BM: tl.constexpr, FRAG: tl.constexpr = False,
-               PDL: tl.constexpr = False):
+               FWHT: tl.constexpr = False, PDL: tl.constexpr = False):
     """out[part, m, :] = had_r_128(pad(x[m]) * suh[part]) for rows_p rows a part (M, or with
     FRAG a multiple of 16: rows past M zero, every 16 x 128 block stored in mma A-fragment
-    order, ``_frag_offsets``; BM 16). Grid: (row blocks, in_p / 128, parts)."""
+    order, ``_frag_offsets``; BM 16). Grid: (row blocks, in_p / 128, parts). ``FWHT``: the
+    Hadamard by butterflies in registers (``_fwht128``) instead of a tf32x3 dot against the
+    128 x 128 sign matrix, which each program builds and stages through 64 KB of shared
+    memory: for few rows (one, at decode) that staging is most of the kernel."""
     pdl_begin(PDL)
     part = tl.program_id(2)
     rows = tl.program_id(0) * BM + tl.arange(0, BM)
@@ -334,7 +348,10 @@ def _in_kernel(x_ptr, suh_ptr, out_ptr, M, n_in, in_p, stride_x, rows_p, BM: tl.
     x = tl.load(x_ptr + rows[:, None].to(tl.int64) * stride_x + cols[None, :],
                 mask=(rows[:, None] < M) & (cols[None, :] < n_in), other=0.0).to(tl.float32)
     x = x * tl.load(suh_ptr + part * in_p + cols).to(tl.float32)[None, :]
-    y = tl.dot(x, _hadamard_signs(), input_precision="tf32x3") * 0.08838834764831845
+    if FWHT:
+        y = _fwht128(x, BM) * 0.08838834764831845
+    else:
+        y = tl.dot(x, _hadamard_signs(), input_precision="tf32x3") * 0.08838834764831845
     out = out_ptr + (part * rows_p).to(tl.int64) * in_p
     if FRAG:
         tl.store(out + _frag_offsets(tl.program_id(0), tl.program_id(1), in_p), y.to(out_ptr.dtype.element_ty))

@@ -46,7 +46,7 @@ import os
 import torch
 
 from trellm.kernels._triton import tl, triton, pdl_begin, pdl_kwargs
-from trellm.kernels.exl3_decode import CODEBOOK_IDS
+from trellm.kernels.exl3_decode import CODEBOOK_IDS, _fwht128
 from trellm.kernels.exl3_fast import _byte_sum, _weight
 
 K_INV = tl.constexpr(0.00676727294921875)  # fp16 0x1EEE
@@ -396,17 +396,6 @@ def _wide(p, w3, off):
     from there as one uint64, the first window's top bit at bit 63."""
     third = w3.to(tl.uint32, bitcast=True).to(tl.uint64)
     return (p << off) | ((third << off) >> 32)
-
-
-@triton.jit
-def _fwht128(v, BM: tl.constexpr):
-    """v [BM, 128] times the 128 x 128 Sylvester matrix (unscaled): seven constant-geometry
-    butterflies; each takes (j, j + 64) to (2 j, 2 j + 1) = (sum, difference), so index bit
-    6 is transformed and rotated to bit 0, and after seven every bit is, in place."""
-    for _ in tl.static_range(7):
-        a, b = tl.split(tl.permute(tl.reshape(v, (BM, 2, 64)), 0, 2, 1))
-        v = tl.reshape(tl.join(a + b, a - b), (BM, 128))
-    return v
 
 
 @triton.jit
