@@ -163,7 +163,7 @@ ab)
     ;;
 rf)
     timeout 150 python3 -m pytest -q -p no:cacheprovider tests/kernels/test_exl3_kernels.py -x \
-        -k "merged_parts_unpadded or (fast_every and (4-mul1 or 2-mcg or 6-mul1))" 2>&1 | tail -3
+        -k "merged_parts_unpadded or fragment_order or (fast_every and (4-mul1 or 2-mcg or 6-mul1))" 2>&1 | tail -3
     rf_sweep 110
     rf_ab 80
     mkdir -p "$out/ovh"

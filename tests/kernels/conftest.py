@@ -16,7 +16,8 @@ def _skip_reason() -> str | None:
     if not triton_importable():
         return "triton is not installed (GPU kernel tests need CUDA + triton, or TRITON_INTERPRET=1)"
     if not kernel_supported(DEVICE):
-        return "no CUDA GPU (set TRITON_INTERPRET=1 to run the kernels in Triton's CPU interpreter)"
+        return ("no CUDA GPU: tests/test_kernels_interpreted.py runs these under Triton's CPU interpreter "
+                "(or set TRITON_INTERPRET=1)")
     return None
 
 
