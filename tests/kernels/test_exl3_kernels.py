@@ -263,14 +263,20 @@ def test_input_transform_in_fragment_order(rows, device):
     for p, part in enumerate(f.parts):
         torch.testing.assert_close(one[p], exl3_decode.exl3_input_transform_ref(part, x[:1], torch.float32),
                                    rtol=1e-5, atol=1e-6)
-    # FastDispatch.in_fwht off: one row takes the 16-row dot, bit for bit as in a block
+    # FastDispatch.in_fwht off: the tf32x3 dot, one row bit for bit as in a 16-row block,
+    # and within float32 rounding of the butterflies
     d = exl3_fast.get_dispatch()
     try:
         exl3_fast.set_dispatch(dataclasses.replace(d, in_fwht=False))
         dot = exl3_fast.fast_input_transform(f, x[:1], torch.float16)
+        dot_block = exl3_fast.fast_input_transform(f, xz, torch.float16)
+        dot_frag = exl3_fast.fast_input_transform(f, x, torch.float16, padded)
     finally:
         exl3_fast.set_dispatch(d)
-    assert torch.equal(dot[:, 0], plain[:, 0])
+    assert torch.equal(dot[:, 0], dot_block[:, 0])
+    for p in range(2):
+        assert torch.equal(dot_frag[p].reshape(-1), exl3_decode.fragment_order_ref(dot_block[p]))
+    torch.testing.assert_close(dot_block.float(), plain.float(), rtol=1e-3, atol=1e-3)
 
 
 def test_mma_merged_parts_and_dispatch(device):

@@ -89,9 +89,10 @@ class FastDispatch:
     SASS instructions a weight, sm_90, compiled on the CPU; not yet timed), and at 2-32 rows
     the gemv config itself instead of the split dot kernel. False: both as before."""
     in_fwht: bool = True
-    """One row's input transform (exl3_decode._in_kernel) by butterflies in registers, one
-    warp a 128-block (200 SASS instructions), instead of the 16-row tf32x3 dot against the
-    sign matrix on 8 warps (1,832 each, and 64 KB of shared memory staged): the 8B decode
+    """The input transform (exl3_decode._in_kernel) by butterflies in registers instead of a
+    tf32x3 dot against the sign matrix, which each program builds and stages through 64 KB
+    of shared memory. One row on one warp a 128-block: 200 SASS instructions, against
+    1,832 on each of 8 warps; a 16-row block: 360 on each of 8 (sm_90). The 8B decode
     graph spent 548 of its 4,367 us a token in the input transforms (H100, 2026-12-07).
     Not yet timed. False: the dot, as before."""
     gemm: FastConfig = FastConfig(tk=8, tn=8, in_had=True, asm=True, block_m=32)

@@ -401,8 +401,10 @@ def fast_input_transform(f: EXL3Fused, x2: torch.Tensor, dtype: torch.dtype, fra
     if frag_rows and (frag_rows % 16 or frag_rows < m or dtype != torch.float16):
         raise ValueError(f"fragment order takes fp16 and whole 16-row blocks, got {frag_rows} rows for {m}, {dtype}")
     out = torch.empty(len(f.parts), rows, f.padded_in, dtype=dtype, device=x2.device)
-    # One row (decode): one warp a 128-block, the Hadamard by butterflies (_in_kernel's FWHT)
-    bm, fwht, warps = (1, True, 1) if rows == 1 and get_dispatch().in_fwht else (16, False, 8)
+    # The Hadamard by butterflies (_in_kernel's FWHT, FastDispatch.in_fwht); one row (decode
+    # at batch 1): one warp a 128-block
+    fwht = get_dispatch().in_fwht
+    bm, warps = (1, 1) if rows == 1 and fwht else (16, 8)
     grid = (triton.cdiv(rows, bm), f.padded_in // HAD_SIZE, len(f.parts))
     _in_kernel[grid](x2, f.suh, out, m, f.in_features, f.padded_in, x2.stride(0), rows, BM=bm, FRAG=frag_rows > 0,
                      FWHT=fwht, num_warps=warps, **pdl_kwargs(gpu_checked=False))
