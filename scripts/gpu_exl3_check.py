@@ -462,7 +462,7 @@ def main() -> None:
                     help="one row of K 5-6 (the 6-bit head) on the split kernel, as before FastDispatch.wide_mma")
     ap.add_argument("--gemv-max-rows", type=int, help="the most rows the gemv variant takes (default 8)")
     ap.add_argument("--no-in-fwht", action="store_true",
-                    help="one row's input transform by the 16-row tf32x3 dot, as before FastDispatch.in_fwht")
+                    help="the input transform by the tf32x3 dot on 16-row blocks, as before FastDispatch.in_fwht")
     a = ap.parse_args()
     set_dispatch_from(a.one_row, a.gemv, a.gemv_max_rows, not a.no_wide_mma, not a.no_in_fwht)
     if a.engines:

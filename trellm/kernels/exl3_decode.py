@@ -340,7 +340,7 @@ def _in_kernel(x_ptr, suh_ptr, out_ptr, M, n_in, in_p, stride_x, rows_p, BM: tl.
     order, ``_frag_offsets``; BM 16). Grid: (row blocks, in_p / 128, parts). ``FWHT``: the
     Hadamard by butterflies in registers (``_fwht128``) instead of a tf32x3 dot against the
     128 x 128 sign matrix, which each program builds and stages through 64 KB of shared
-    memory: for few rows (one, at decode) that staging is most of the kernel."""
+    memory: at decode's few rows that staging is most of the kernel."""
     pdl_begin(PDL)
     part = tl.program_id(2)
     rows = tl.program_id(0) * BM + tl.arange(0, BM)

@@ -401,8 +401,7 @@ def fast_input_transform(f: EXL3Fused, x2: torch.Tensor, dtype: torch.dtype, fra
     if frag_rows and (frag_rows % 16 or frag_rows < m or dtype != torch.float16):
         raise ValueError(f"fragment order takes fp16 and whole 16-row blocks, got {frag_rows} rows for {m}, {dtype}")
     out = torch.empty(len(f.parts), rows, f.padded_in, dtype=dtype, device=x2.device)
-    # The Hadamard by butterflies (_in_kernel's FWHT, FastDispatch.in_fwht); one row (decode
-    # at batch 1): one warp a 128-block
+    # FastDispatch.in_fwht: the Hadamard by butterflies, one row on one warp a 128-block
     fwht = get_dispatch().in_fwht
     bm, warps = (1, 1) if rows == 1 and fwht else (16, 8)
     grid = (triton.cdiv(rows, bm), f.padded_in // HAD_SIZE, len(f.parts))
@@ -443,16 +442,9 @@ def fast_partials(f: EXL3Fused, x2: torch.Tensor, cfg: FastConfig, y: torch.Tens
         exl3_mma.mma_partials(f, x, m, cfg, splits, per, stride_xp, stride_xm, out, _use_asm(cfg.asm, f.codebook), y)
         return out
     if _row_applies(f, cfg):
-        from trellm.kernels.exl3_row import _row_kernel
+        from trellm.kernels import exl3_row
 
-        fused = y is not None
-        _row_kernel[(blocks_n, splits)](
-            x, f.trellis.view(torch.int32), f.tile_part, out, ti, _tile_stride(f.trellis), f.padded_out, per,
-            stride_xp, y if fused else out, f.svh, f.bias if f.bias is not None else f.svh, f.dest, f.ncols,
-            f.counters if fused else f.tile_part, K=f.bits, CB=CODEBOOK_IDS[f.codebook], TK=cfg.tk, TN=cfg.tn,
-            EVEN_K=ti % cfg.tk == 0, ASM=_use_asm(cfg.asm, f.codebook), AFF=cfg.affine and f.codebook == "mul1",
-            FUSE=fused, HAS_BIAS=f.bias is not None, num_warps=cfg.warps, num_stages=cfg.stages,
-            **pdl_kwargs(gpu_checked=False))
+        exl3_row.row_partials(f, x, cfg, splits, per, stride_xp, out, _use_asm(cfg.asm, f.codebook), y)
         return out
     consts = dict(K=f.bits, CB=CODEBOOK_IDS[f.codebook], G=GROUP[f.bits], TK=cfg.tk, TN=cfg.tn, BM=bm, DOT=cfg.dot,
                   EVEN_K=ti % cfg.tk == 0, ASM=_use_asm(cfg.asm, f.codebook), num_warps=cfg.warps,
@@ -513,8 +505,7 @@ def _mma_applies(f: EXL3Fused, cfg: FastConfig) -> bool:
 
 
 def _row_applies(f: EXL3Fused, cfg: FastConfig) -> bool:
-    """exl3_row's kernel runs for a row config where a group's 8 weights lie in a word pair
-    (K <= 4); other K take the split kernel."""
+    """exl3_row runs a row config where a group's 8 weights share a word pair (else: split)."""
     return cfg.row and not cfg.dot and not cfg.mma and GROUP[f.bits] == 8
 
 

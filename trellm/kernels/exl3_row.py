@@ -33,8 +33,11 @@ tests: within fp16's tolerance, like the dot variants).
 """
 from __future__ import annotations
 
+import torch
+
 from trellm.kernels._triton import tl, triton, pdl_begin, pdl_kwargs
-from trellm.kernels.exl3_fast import _byte_sum, _weight
+from trellm.kernels.exl3_decode import CODEBOOK_IDS
+from trellm.kernels.exl3_fast import _byte_sum, _tile_stride, _weight
 from trellm.kernels.exl3_mma import _arrive_and_finish
 
 K_INV = 0.00676727294921875  # fp16 0x1EEE
@@ -123,3 +126,18 @@ def _row_kernel(x_ptr, w_ptr, tile_part_ptr, out_ptr, TI, TJS, NP, per_split, st
         blk = pid_n * TN * 16 // 128
         _arrive_and_finish(out_ptr, y_ptr, svh_ptr, bias_ptr, dest_ptr, ncols_ptr, counter_ptr + blk, 0, blk, 1, NP, 0,
                            tl.num_programs(1) * (128 // (16 * TN)), tl.num_programs(1), 8, HAS_BIAS)
+
+
+def row_partials(f, x: torch.Tensor, cfg, splits: int, per: int, stride_xp: int, out: torch.Tensor, asm: bool,
+                 y: torch.Tensor | None = None) -> None:
+    """Launch over f (an EXL3Fused, K <= 4) with x the float32 transformed activations [parts,
+    1, in_p]; ``out`` [splits, 1, padded_out] float32 partials. ``y`` [1, out_features]: also
+    the output transform, fused (``FUSE``; exl3_fast._can_fuse)."""
+    ti, tj, _ = f.trellis.shape
+    fused = y is not None
+    _row_kernel[(tj // cfg.tn, splits)](
+        x, f.trellis.view(torch.int32), f.tile_part, out, ti, _tile_stride(f.trellis), f.padded_out, per,
+        stride_xp, y if fused else out, f.svh, f.bias if f.bias is not None else f.svh, f.dest, f.ncols,
+        f.counters if fused else f.tile_part, K=f.bits, CB=CODEBOOK_IDS[f.codebook], TK=cfg.tk, TN=cfg.tn,
+        EVEN_K=ti % cfg.tk == 0, ASM=asm, AFF=cfg.affine and f.codebook == "mul1", FUSE=fused,
+        HAS_BIAS=f.bias is not None, num_warps=cfg.warps, num_stages=cfg.stages, **pdl_kwargs(gpu_checked=False))
