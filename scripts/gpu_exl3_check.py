@@ -325,9 +325,9 @@ ENGINE_FILTER: list[str] = []
 
 
 def set_dispatch_from(one_row: str | None, gemv: str | None, gemv_max_rows: int | None = None,
-                      wide_mma: bool = True, in_fwht: bool = True) -> None:
+                      wide_mma: bool = True, in_fwht: bool = True, fuse_in: bool = True) -> None:
     """The EXL3 dispatch with the named sweep variants in place of the defaults."""
-    if not one_row and not gemv and gemv_max_rows is None and wide_mma and in_fwht:
+    if not one_row and not gemv and gemv_max_rows is None and wide_mma and in_fwht and fuse_in:
         return
     from dataclasses import replace
 
@@ -341,7 +341,7 @@ def set_dispatch_from(one_row: str | None, gemv: str | None, gemv_max_rows: int 
         d = replace(d, gemv=VARIANTS[gemv][0])
     if gemv_max_rows is not None:
         d = replace(d, gemv_max_rows=gemv_max_rows)
-    d = replace(d, wide_mma=wide_mma, in_fwht=in_fwht)
+    d = replace(d, wide_mma=wide_mma, in_fwht=in_fwht, fuse_in=fuse_in)
     exl3_fast.set_dispatch(d)
     log(f"EXL3 dispatch: {d}")
 
@@ -463,8 +463,10 @@ def main() -> None:
     ap.add_argument("--gemv-max-rows", type=int, help="the most rows the gemv variant takes (default 8)")
     ap.add_argument("--no-in-fwht", action="store_true",
                     help="the input transform by the tf32x3 dot on 16-row blocks, as before FastDispatch.in_fwht")
+    ap.add_argument("--no-fuse-in", action="store_true",
+                    help="the input transform in a launch of its own, as before FastDispatch.fuse_in")
     a = ap.parse_args()
-    set_dispatch_from(a.one_row, a.gemv, a.gemv_max_rows, not a.no_wide_mma, not a.no_in_fwht)
+    set_dispatch_from(a.one_row, a.gemv, a.gemv_max_rows, not a.no_wide_mma, not a.no_in_fwht, not a.no_fuse_in)
     if a.engines:
         ENGINE_FILTER.extend(a.engines.split(","))
     os.makedirs(a.out, exist_ok=True)

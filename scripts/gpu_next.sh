@@ -42,21 +42,25 @@
 #      at 4.0 bpw (exl3_ab: defaults, --no-wide-mma, the fx / block_m 32 variant for 2-32 rows),
 #      then int8's engine (v1 / v2).
 #   fxs: fx cut to ~6 min (a shorter sweep, then exl3_ab). ab: exl3_ab alone (~4 min).
-#   uss: the shortest u: issue 4's gpu_bench.py alone on an H200 (~5 min), else rab.
+#   uss: the shortest u: issue 4's gpu_bench.py alone on an H200 (~5 min), else fis.
 #   rf: exl3_row's fused output transform (the one-row default since 2026-12-07, eighth session)
 #      and frag_x on the 2-32 row default: their GPU kernel tests, the layer sweep against the
 #      unfused row kernel, the engine A/B new defaults / old (rf_ab, greedy tokens compared by
 #      scripts/tokens_diff.py), then the 8B decode graph at 4.0 bpw profiled kernel by kernel
 #      (~8.5 min). rfs: rf without the kernel tests and the profile (~5 min). rab: rf_ab alone.
-#   u: l on an H200, fx on any other card. us: the short budget's u (l without the PDL-off
-#      run and EXL3 at 4.0 bpw and int8 only, ~7 min; else fxs).
+#   fi: the input transform in the norm / SiLU-and-mul launch (FastDispatch.fuse_in, 2026-12-08):
+#      its GPU kernel tests, the engine A/B new / --no-fuse-in / --no-in-fwht / the defaults
+#      of 2026-12-06 with greedy tokens compared (fi_ab), the 8B EXL3 graph profiled (~8.5 min).
+#      fis: the A/B alone (~5 min).
+#   u: l on an H200, fi on any other card. us: the short budget's u (l without the PDL-off
+#      run and EXL3 at 4.0 bpw and int8 only, ~7 min; else fis).
 #   z: l on an H200, y on any other card (a call that may get either); w: l on an H200, n on
 #      any other card.
 #   m: the early PDL trigger and the GEMV weight prefetch: a token's linears in one graph
 #      (scripts/gpu_gemv_layers.py), then scripts/gpu_pdl_ab.py (whole-engine A/B, Qwen3-0.6B
 #      and 8B single stream), then the GEMV kernel tests; writes the best env-settable
 #      variant to /tmp/trellm-pick.env (stage l's engine checks then run under it).
-# Usage: OUT=... [PICK=1] scripts/gpu_next.sh a|b|c|d|e|f|g|h|i|j|k|l|m|n|o|p|q|r|s|t|u|v|w|x|y|z|fx|fxs|us|uss|ab|rf|rfs|rab
+# Usage: OUT=... [PICK=1] scripts/gpu_next.sh fi|fis|a|b|c|d|e|f|g|h|i|j|k|l|m|n|o|p|q|r|s|t|u|v|w|x|y|z|fx|fxs|us|uss|ab|rf|rfs|rab
 # Carry .whl (../shared/gpu/wheels.sh) and .gpu (../shared/gpu/configs/*.json copied in).
 set -uo pipefail
 out=${OUT:-/tmp/gpu-next}; mkdir -p "$out"
@@ -115,6 +119,20 @@ rf_ab() {  # $1: limit per run. EXL3 4.0 bpw engine: the defaults, the ones befo
     python3 scripts/tokens_diff.py "$out/exl3-new/gpu-exl3.json" "$out/exl3-old/gpu-exl3.json" \
         "$out/exl3-dot/gpu-exl3.json" 2>&1 | tail -14
 }
+fi_ab() {  # $1: limit per run. EXL3 4.0 bpw engine: the defaults (the input transform in the
+    # norm / SiLU launch, FastDispatch.fuse_in), fuse_in off, in_fwht off (the dot, which
+    # turns fuse_in off too), then the defaults of 2026-12-06; their greedy tokens compared.
+    local lim=$1 tag run
+    for run in "new" "nofuse --no-fuse-in" "dot --no-in-fwht" \
+        "old --one-row row-8x4-asm-aff --gemv mma-8x2-aff-pps8-fo --gemv-max-rows 32 --no-in-fwht"; do
+        set -- $run; tag=$1; shift
+        mkdir -p "$out/exl3-$tag"
+        timeout "$lim" python3 scripts/gpu_exl3_check.py --out "$out/exl3-$tag" --stages engine --budget $((lim - 10)) \
+            --engines "exl3 4" "$@" 2>&1 | tail -2
+    done
+    python3 scripts/tokens_diff.py "$out/exl3-new/gpu-exl3.json" "$out/exl3-nofuse/gpu-exl3.json" \
+        "$out/exl3-dot/gpu-exl3.json" "$out/exl3-old/gpu-exl3.json" 2>&1 | tail -20
+}
 rf_sweep() {  # $1: limit
     mkdir -p "$out/sweep"
     timeout "$1" python3 scripts/gpu_exl3_sweep.py --out "$out/sweep" --budget $(($1 - 10)) --combos 4:mul1 --layer-only \
@@ -141,7 +159,7 @@ PY
 }
 stage=${1:-a}
 if [ "$stage" = z ] || [ "$stage" = w ] || [ "$stage" = u ] || [ "$stage" = us ] || [ "$stage" = uss ]; then
-    other=$(case $stage in z) echo y;; w) echo n;; u) echo rf;; us) echo rfs;; uss) echo rab;; esac)
+    other=$(case $stage in z) echo y;; w) echo n;; u) echo fi;; us|uss) echo fis;; esac)
     if [ "$stage" = us ]; then export SHORT=1 EXL3_S=${EXL3_S:-110} EXL3_ENGINES=${EXL3_ENGINES:-"exl3 4,int8"}; fi
     if [ "$stage" = uss ]; then export SHORT=1 EXL3_S=0; fi
     stage=$(nvidia-smi --query-gpu=name --format=csv,noheader | grep -q H200 && echo l || echo "$other")
@@ -169,6 +187,14 @@ rf)
     mkdir -p "$out/ovh"
     timeout 120 python3 scripts/gpu_overhead.py .gpu/llama-3.1-8b.json:1 --steps 50 --profile \
         --quantization exl3 --bits 4 --out "$out/ovh" 2>&1 | grep -E "^ +K " | head -12
+    ;;
+fi|fis)
+    [ "$stage" = fis ] || timeout 150 python3 -m pytest -q -p no:cacheprovider tests/kernels/test_exl3_prologue.py \
+        tests/kernels/test_exl3_kernels.py -k "prologue or fragment_order or fast_groups" 2>&1 | tail -3
+    fi_ab "${AB_LIM:-72}"
+    mkdir -p "$out/ovh"
+    [ "$stage" = fis ] || timeout 100 python3 scripts/gpu_overhead.py .gpu/llama-3.1-8b.json:1 --steps 50 --profile \
+        --quantization exl3 --bits 4 --out "$out/ovh" 2>&1 | grep -E "^ +K " | head -14
     ;;
 rfs)
     rf_sweep 90

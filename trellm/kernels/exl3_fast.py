@@ -53,7 +53,8 @@ import torch
 from trellm.kernels._triton import tl, triton, pdl_begin, pdl_kwargs
 # re-exported: callers import them from here
 from trellm.kernels.exl3_config import MMA_WIDE_BITS, FastConfig, FastDispatch, split_fallback  # noqa: F401
-from trellm.kernels.exl3_decode import CODEBOOK_IDS, _in_kernel, _inst_value, _out_kernel, kernel_bits
+from trellm.kernels.exl3_decode import CODEBOOK_IDS, _inst_value, _out_kernel, kernel_bits
+from trellm.kernels.exl3_prologue import fast_input_transform  # noqa: F401 (re-exported)
 from trellm.kernels.paged_attention import _num_sms
 from trellm.quant.exl3.hadamard import HAD_SIZE
 from trellm.quant.exl3.weight import EXL3Weight
@@ -392,28 +393,21 @@ def _check(cfg: FastConfig, m: int) -> None:
         raise ValueError(f"mma is its own kernel (dot, row, split off; warps dividing tk), got {cfg}")
 
 
-def fast_input_transform(f: EXL3Fused, x2: torch.Tensor, dtype: torch.dtype, frag_rows: int = 0) -> torch.Tensor:
-    """x2 [M, in_features] -> [parts, M, in_p]: ``had_r_128(pad(x2) * suh[part])``, one launch.
-    ``frag_rows`` (a multiple of 16, >= M): [parts, frag_rows, in_p] holding each part's
-    rows in mma A-fragment order instead (exl3_decode.fragment_order_ref), rows past M zero."""
-    m = x2.shape[0]
-    rows = frag_rows or m
-    if frag_rows and (frag_rows % 16 or frag_rows < m or dtype != torch.float16):
-        raise ValueError(f"fragment order takes fp16 and whole 16-row blocks, got {frag_rows} rows for {m}, {dtype}")
-    out = torch.empty(len(f.parts), rows, f.padded_in, dtype=dtype, device=x2.device)
-    # FastDispatch.in_fwht: the Hadamard by butterflies, one row on one warp a 128-block
-    fwht = get_dispatch().in_fwht
-    bm, warps = (1, 1) if rows == 1 and fwht else (16, 8)
-    grid = (triton.cdiv(rows, bm), f.padded_in // HAD_SIZE, len(f.parts))
-    _in_kernel[grid](x2, f.suh, out, m, f.in_features, f.padded_in, x2.stride(0), rows, BM=bm, FRAG=frag_rows > 0,
-                     FWHT=fwht, num_warps=warps, **pdl_kwargs(gpu_checked=False))
-    return out
+def plain_x_dtype(f: EXL3Fused, cfg: FastConfig) -> torch.dtype | None:
+    """The dtype of the transformed x [parts, M, in_p] that cfg's main kernel reads, or None
+    where it reads x otherwise (in_had: raw; exl3_mma's frag_x: in fragment order)."""
+    mma = _mma_applies(f, cfg)
+    if (cfg.dot and cfg.in_had and not cfg.split) or (mma and cfg.frag_x):
+        return None
+    return torch.float16 if mma or (split_fallback(cfg) if cfg.mma else cfg).dot else torch.float32
 
 
-def fast_partials(f: EXL3Fused, x2: torch.Tensor, cfg: FastConfig, y: torch.Tensor | None = None) -> torch.Tensor:
+def fast_partials(f: EXL3Fused, x2: torch.Tensor, cfg: FastConfig, y: torch.Tensor | None = None,
+                  xh: torch.Tensor | None = None) -> torch.Tensor:
     """Split-K partials [S, M, sum out_p] (float32) of every part's ``xh @ Wq``; x2 is the
     raw activations [M, in_features] (contiguous rows). ``y``: exl3_mma or exl3_row writes
-    the transformed output there too (``_can_fuse``)."""
+    the transformed output there too (``_can_fuse``). ``xh``: x already transformed, as
+    ``plain_x_dtype`` says (exl3_prologue: by the norm or SiLU-and-mul kernel before)."""
     from trellm.kernels import exl3_mma  # its module constants need Triton: imported on use
 
     m = x2.shape[0]
@@ -431,7 +425,7 @@ def fast_partials(f: EXL3Fused, x2: torch.Tensor, cfg: FastConfig, y: torch.Tens
         x = fast_input_transform(f, x2, torch.float16, rows)
         stride_xp, stride_xm = rows * f.padded_in, f.padded_in
     else:
-        x = fast_input_transform(f, x2, torch.float16 if cfg.dot or mma else torch.float32)
+        x = xh if xh is not None else fast_input_transform(f, x2, plain_x_dtype(f, cfg))
         stride_xp, stride_xm = m * f.padded_in, f.padded_in
     steps, blocks_n, blocks_m = triton.cdiv(ti, cfg.tk), tj // cfg.tn, triton.cdiv(m, bm)
     want = triton.cdiv(cfg.programs_per_sm * _num_sms(x2.device), blocks_n * blocks_m)
@@ -597,4 +591,7 @@ def register() -> None:
     from trellm.quant.exl3.method import EXL3LayerKernel, register_layer_kernel, unregister_layer_kernel
 
     unregister_layer_kernel("triton-fast")
-    register_layer_kernel(EXL3LayerKernel("triton-fast", prepare_layer, layer_supports, run_layer))
+    from trellm.kernels.exl3_prologue import run_layer_glu, run_layer_norm
+
+    register_layer_kernel(EXL3LayerKernel("triton-fast", prepare_layer, layer_supports, run_layer,
+                                          run_norm=run_layer_norm, run_glu=run_layer_glu))

@@ -108,6 +108,9 @@ def norm_linear(linear: Linear, x: torch.Tensor, residual: torch.Tensor | None, 
     the residual itself (the first layer's embeddings). One launch (gemv_rms_norm) where the
     dense layer's calibrated dispatch picked it, else ops.fused_add_rms_norm (ops.rms_norm)
     then the linear as the dispatch picks it."""
+    fused = linear.method.apply_norm(linear, x, residual, norm.weight, norm.eps)
+    if fused is not None:  # e.g. EXL3: its input transform in the norm's launch
+        return fused
     d = getattr(linear.method, "gemv_dispatch", None)
     if d is not None and d.wants_norm(x, linear.weight):
         return gemv_rms_norm(x, linear.weight, linear.bias, residual, norm.weight, norm.eps)
@@ -121,6 +124,9 @@ def glu_linear(linear: Linear, gate_up: torch.Tensor, ops) -> torch.Tensor:
     """linear(silu_and_mul(gate_up)) with the GPU kernels. Dense down projections carry the
     calibrated GEMV dispatch (worker/builder.py); it picks the GEMV with SiLU-and-mul
     fused in only where that timed faster."""
+    fused = linear.method.apply_glu(linear, gate_up)
+    if fused is not None:
+        return fused
     d = getattr(linear.method, "gemv_dispatch", None)
     if d is not None and d.wants_glu(gate_up, linear.weight):
         return gemv(gate_up, linear.weight, linear.bias, glu=True)

@@ -49,6 +49,17 @@ class LinearMethod:
     def apply(self, layer: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
         raise NotImplementedError
 
+    def apply_norm(self, layer: torch.nn.Module, x: torch.Tensor, residual: torch.Tensor | None,
+                   weight: torch.Tensor, eps: float) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """(apply(RMSNorm(x + residual)), x + residual) in the method's own launches (residual
+        None: x is the residual), or None: the caller runs the norm, then ``apply``. For a
+        method whose input needs its own pass (EXL3's input transform) to do it in the norm's."""
+        return None
+
+    def apply_glu(self, layer: torch.nn.Module, gate_up: torch.Tensor) -> torch.Tensor | None:
+        """apply(silu(gate) * up) of gate_up [..., 2 I] in the method's own launches, or None."""
+        return None
+
 
 class UnquantizedLinearMethod(LinearMethod):
     """Dense weights in the model dtype; ``F.linear`` (cuBLAS / oneDNN) does the work."""

@@ -82,6 +82,12 @@ class EXL3LayerKernel:
     """(state, x) -> whether ``run`` handles x; asked per forward, so cheap."""
     run: Callable[[Any, torch.Tensor], torch.Tensor]
     """(state, x [..., in]) -> y [..., out_features] (all parts, bias included)."""
+    run_norm: Callable[..., Any] | None = None
+    """(state, x, residual, norm weight, eps) -> (linear(RMSNorm(x + residual)), x + residual)
+    with the norm in the kernel's own launches, or None where it takes no part
+    (LinearMethod.apply_norm)."""
+    run_glu: Callable[..., Any] | None = None
+    """(state, gate_up) -> linear(silu(gate) * up), or None (LinearMethod.apply_glu)."""
 
 
 _LAYER_KERNELS: list[EXL3LayerKernel] = []
@@ -218,6 +224,22 @@ class EXL3LinearMethod(LinearMethod):
             return prepared[0].run(prepared[1], x)
         ys = [select_kernel(p, x)(p, x) for p in layer.exl3_parts]
         return ys[0] if len(ys) == 1 else torch.cat(ys, dim=-1)
+
+
+    def _fused(self, layer, x, which: str):
+        prepared = None if self.dense else getattr(layer, "exl3_layer_kernel", None)
+        if prepared is None or getattr(prepared[0], which) is None or not prepared[0].supports(prepared[1], x):
+            return None
+        return prepared
+
+    def apply_norm(self, layer, x, residual, weight, eps):
+        prepared = self._fused(layer, x, "run_norm")
+        return None if prepared is None else prepared[0].run_norm(prepared[1], x, residual, weight, eps)
+
+    def apply_glu(self, layer, gate_up):
+        # supports() checks x's width against the layer's: gate_up is twice that
+        prepared = self._fused(layer, gate_up[..., : gate_up.shape[-1] // 2], "run_glu")
+        return None if prepared is None else prepared[0].run_glu(prepared[1], gate_up)
 
 
 class EXL3DenseLinearMethod(EXL3LinearMethod):
