@@ -49,8 +49,8 @@
 #      scripts/tokens_diff.py), then the 8B decode graph at 4.0 bpw profiled kernel by kernel
 #      (~8.5 min). rfs: rf without the kernel tests and the profile (~5 min). rab: rf_ab alone.
 #   fi: the input transform in the norm / SiLU-and-mul launch (FastDispatch.fuse_in, 2026-12-08):
-#      its GPU kernel tests, the engine A/B new / --no-fuse-in / --no-in-fwht / the defaults
-#      of 2026-12-06 with greedy tokens compared (fi_ab), the 8B EXL3 graph profiled (~8.5 min).
+#      its GPU kernel tests, the engine A/B new / --no-fuse-in / --no-in-fwht / TRELLM_PDL=1
+#      with greedy tokens compared (fi_ab), the 8B EXL3 graph profiled (~8.5 min).
 #      fis: the A/B alone (~5 min).
 #   u: l on an H200, fi on any other card. us: the short budget's u (l without the PDL-off
 #      run and EXL3 at 4.0 bpw and int8 only, ~7 min; else fis).
@@ -121,17 +121,18 @@ rf_ab() {  # $1: limit per run. EXL3 4.0 bpw engine: the defaults, the ones befo
 }
 fi_ab() {  # $1: limit per run. EXL3 4.0 bpw engine: the defaults (the input transform in the
     # norm / SiLU launch, FastDispatch.fuse_in), fuse_in off, in_fwht off (the dot, which
-    # turns fuse_in off too), then the defaults of 2026-12-06; their greedy tokens compared.
-    local lim=$1 tag run
-    for run in "new" "nofuse --no-fuse-in" "dot --no-in-fwht" \
-        "old --one-row row-8x4-asm-aff --gemv mma-8x2-aff-pps8-fo --gemv-max-rows 32 --no-in-fwht"; do
+    # turns fuse_in off too), then the defaults with PDL on for every kernel (TRELLM_PDL=1);
+    # their greedy tokens compared.
+    local lim=$1 tag run pdl
+    for run in "new" "nofuse --no-fuse-in" "dot --no-in-fwht" "pdl"; do
         set -- $run; tag=$1; shift
+        pdl=$([ "$tag" = pdl ] && echo 1 || echo auto)
         mkdir -p "$out/exl3-$tag"
-        timeout "$lim" python3 scripts/gpu_exl3_check.py --out "$out/exl3-$tag" --stages engine --budget $((lim - 10)) \
-            --engines "exl3 4" "$@" 2>&1 | tail -2
+        TRELLM_PDL=$pdl timeout "$lim" python3 scripts/gpu_exl3_check.py --out "$out/exl3-$tag" --stages engine \
+            --budget $((lim - 10)) --engines "exl3 4" "$@" 2>&1 | tail -2
     done
     python3 scripts/tokens_diff.py "$out/exl3-new/gpu-exl3.json" "$out/exl3-nofuse/gpu-exl3.json" \
-        "$out/exl3-dot/gpu-exl3.json" "$out/exl3-old/gpu-exl3.json" 2>&1 | tail -20
+        "$out/exl3-dot/gpu-exl3.json" "$out/exl3-pdl/gpu-exl3.json" 2>&1 | tail -20
 }
 rf_sweep() {  # $1: limit
     mkdir -p "$out/sweep"
