@@ -89,6 +89,12 @@ VARIANTS: dict[str, tuple[FastConfig, tuple[int, ...]]] = {
     "row-16x4-asm-aff": (FastConfig(tk=16, tn=4, dot=False, asm=True, row=True, affine=True), (1,)),
     # the output transform run by the last program of each 128-column block (no out launch)
     "row-8x4-asm-aff-fo": (FastConfig(tk=8, tn=4, dot=False, asm=True, row=True, affine=True, fuse_out=True), (1,)),
+    "row-8x4-asm-aff-fo-pf": (FastConfig(tk=8, tn=4, dot=False, asm=True, row=True, affine=True, fuse_out=True,
+                                         prefetch=1), (1,)),
+    "row-8x4-asm-aff-fo-pf-w8": (FastConfig(tk=8, tn=4, warps=8, dot=False, asm=True, row=True, affine=True,
+                                            fuse_out=True, prefetch=1), (1,)),
+    "row-8x4-asm-aff-fo-w8": (FastConfig(tk=8, tn=4, warps=8, dot=False, asm=True, row=True, affine=True,
+                                         fuse_out=True), (1,)),
     "row-8x8-asm-aff-fo": (FastConfig(tk=8, tn=8, dot=False, asm=True, row=True, affine=True, fuse_out=True), (1,)),
     "row-8x4-asm-aff-pps8": (FastConfig(tk=8, tn=4, dot=False, asm=True, row=True, affine=True,
                                         programs_per_sm=8), (1,)),

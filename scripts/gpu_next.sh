@@ -49,9 +49,10 @@
 #      scripts/tokens_diff.py), then the 8B decode graph at 4.0 bpw profiled kernel by kernel
 #      (~8.5 min). rfs: rf without the kernel tests and the profile (~5 min). rab: rf_ab alone.
 #   fi: the input transform in the norm / SiLU-and-mul launch (FastDispatch.fuse_in, 2026-12-08):
-#      its GPU kernel tests, the engine A/B new / --no-fuse-in / --no-in-fwht / TRELLM_PDL=1
-#      with greedy tokens compared (fi_ab), the 8B EXL3 graph profiled (~8.5 min).
-#      fis: the A/B alone (~5 min).
+#      its GPU kernel tests (and the row kernel's prefetch), the layer sweep of the row kernel
+#      with prefetch / 8 warps, the engine A/B new / --no-fuse-in / --no-in-fwht / TRELLM_PDL=1
+#      with greedy tokens compared (fi_ab) (~9 min). fis: the A/B alone (~5 min).
+#   fp: the 8B EXL3 decode graph at 4.0 bpw profiled kernel by kernel (~2 min).
 #   u: l on an H200, fi on any other card. us: the short budget's u (l without the PDL-off
 #      run and EXL3 at 4.0 bpw and int8 only, ~7 min; else fis).
 #   z: l on an H200, y on any other card (a call that may get either); w: l on an H200, n on
@@ -60,7 +61,7 @@
 #      (scripts/gpu_gemv_layers.py), then scripts/gpu_pdl_ab.py (whole-engine A/B, Qwen3-0.6B
 #      and 8B single stream), then the GEMV kernel tests; writes the best env-settable
 #      variant to /tmp/trellm-pick.env (stage l's engine checks then run under it).
-# Usage: OUT=... [PICK=1] scripts/gpu_next.sh fi|fis|a|b|c|d|e|f|g|h|i|j|k|l|m|n|o|p|q|r|s|t|u|v|w|x|y|z|fx|fxs|us|uss|ab|rf|rfs|rab
+# Usage: OUT=... [PICK=1] scripts/gpu_next.sh fi|fis|fp|a|b|c|d|e|f|g|h|i|j|k|l|m|n|o|p|q|r|s|t|u|v|w|x|y|z|fx|fxs|us|uss|ab|rf|rfs|rab
 # Carry .whl (../shared/gpu/wheels.sh) and .gpu (../shared/gpu/configs/*.json copied in).
 set -uo pipefail
 out=${OUT:-/tmp/gpu-next}; mkdir -p "$out"
@@ -190,11 +191,18 @@ rf)
         --quantization exl3 --bits 4 --out "$out/ovh" 2>&1 | grep -E "^ +K " | head -12
     ;;
 fi|fis)
-    [ "$stage" = fis ] || timeout 150 python3 -m pytest -q -p no:cacheprovider tests/kernels/test_exl3_prologue.py \
-        tests/kernels/test_exl3_kernels.py -k "prologue or fragment_order or fast_groups" 2>&1 | tail -3
-    fi_ab "${AB_LIM:-72}"
+    [ "$stage" = fis ] || timeout 140 python3 -m pytest -q -p no:cacheprovider tests/kernels/test_exl3_prologue.py \
+        tests/kernels/test_exl3_kernels.py -k "prologue or fragment_order or fast_groups or (fast_every and 4-mul1)" \
+        2>&1 | tail -3
+    mkdir -p "$out/sweep"
+    [ "$stage" = fis ] || timeout 95 python3 scripts/gpu_exl3_sweep.py --out "$out/sweep" --budget 85 --combos 4:mul1 \
+        --layer-only --variants row-8x4-asm-aff-fo,row-8x4-asm-aff-fo-pf,row-8x4-asm-aff-fo-pf-w8,row-8x4-asm-aff-fo-w8 \
+        2>&1 | grep -E "checks|best at" | tail -4
+    fi_ab "${AB_LIM:-70}"
+    ;;
+fp)
     mkdir -p "$out/ovh"
-    [ "$stage" = fis ] || timeout 100 python3 scripts/gpu_overhead.py .gpu/llama-3.1-8b.json:1 --steps 50 --profile \
+    timeout 100 python3 scripts/gpu_overhead.py .gpu/llama-3.1-8b.json:1 --steps 50 --profile \
         --quantization exl3 --bits 4 --out "$out/ovh" 2>&1 | grep -E "^ +K " | head -14
     ;;
 rfs)

@@ -157,6 +157,9 @@ FAST_ROWS = [
     # the split kernel, unfused); tn 8: one program a block per split, uneven K
     (1, FastConfig(tk=16, tn=4, dot=False, row=True, affine=True, asm=True, fuse_out=True)),
     (1, FastConfig(tk=16, tn=8, dot=False, row=True, fuse_out=True)),
+    # prefetch: the next step's words loaded a step ahead (uneven K: the masked last step)
+    (1, FastConfig(tk=16, tn=4, dot=False, row=True, affine=True, fuse_out=True, prefetch=1)),
+    (1, FastConfig(tk=8, tn=2, dot=False, row=True, prefetch=1)),
     (3, FastConfig(tk=8, tn=4)),  # dot, 3 splits of one step
     (3, FastConfig(tk=8, tn=4, split=True)),
     (8, FastConfig(tk=8, tn=8, in_had=True)),  # input Hadamard fused

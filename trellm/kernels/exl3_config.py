@@ -37,7 +37,8 @@ class FastConfig:
     """With mma or row (one row, K <= 4): the last program of each 128-column block runs the
     output transform (no output-transform launch)."""
     prefetch: int = 0
-    """With mma: the next K step's weight words and x A-fragments are loaded before the
+    """With row (exl3_row, any truthy value): the next step's words load before this step's
+    decode. With mma: the next K step's weight words and x A-fragments are loaded before the
     current step is decoded (software-pipelined K loop, carried through it per slice).
     True or 1: one step ahead; 2: two steps ahead (ptxas sinks the loads to the loop's end,
     so only 2 keeps a whole step between load and use; more registers); 0 / False: off."""

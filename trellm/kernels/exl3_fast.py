@@ -385,8 +385,9 @@ def _check(cfg: FastConfig, m: int) -> None:
         raise ValueError(f"affine is a mode of the row and mma kernels, got {cfg}")
     if cfg.fuse_out and not (cfg.mma or (cfg.row and not cfg.dot)):
         raise ValueError(f"fuse_out is a mode of the mma and row kernels, got {cfg}")
-    if cfg.prefetch not in (0, 1, 2) or (cfg.prefetch and not cfg.mma):
-        raise ValueError(f"prefetch (0 / False, 1 / True or 2 steps) is a mode of the mma kernel, got {cfg}")
+    if cfg.prefetch not in (0, 1, 2) or (cfg.prefetch and not (cfg.mma or (cfg.row and cfg.prefetch == 1))):
+        raise ValueError(f"prefetch (0 / False, 1 / True or 2 steps) is a mode of the mma and row (1) kernels, "
+                         f"got {cfg}")
     if cfg.frag_x and not cfg.mma:
         raise ValueError(f"frag_x is a mode of the mma kernel, got {cfg}")
     if cfg.mma and (cfg.dot or cfg.row or cfg.split or cfg.tk % cfg.warps):

@@ -53,17 +53,31 @@ def _affine_v(p, sh, J: tl.constexpr, K: tl.constexpr, ASM: tl.constexpr):
     return f.to(tl.float32, bitcast=True)
 
 
+@triton.jit
+def _words(w_ptr, step, TI, TJS, offa, offb, tk, K: tl.constexpr, TK: tl.constexpr, EVEN_K: tl.constexpr):
+    """Step ``step``'s word pairs (a, b) [32, TK, TN] (rows past TI: zeros)."""
+    k0 = step * TK
+    wp = w_ptr + k0.to(tl.int64) * TJS * (8 * K)
+    if EVEN_K:
+        return tl.load(wp + offa), tl.load(wp + offb)
+    wmask = k0 + tk < TI
+    return tl.load(wp + offa, mask=wmask, other=0), tl.load(wp + offb, mask=wmask, other=0)
+
+
 @triton.jit(do_not_specialize=["per_split"])
 def _row_kernel(x_ptr, w_ptr, tile_part_ptr, out_ptr, TI, TJS, NP, per_split, stride_xp,
                 y_ptr, svh_ptr, bias_ptr, dest_ptr, ncols_ptr, counter_ptr,
                 K: tl.constexpr, CB: tl.constexpr, TK: tl.constexpr, TN: tl.constexpr,
                 EVEN_K: tl.constexpr, ASM: tl.constexpr, AFF: tl.constexpr, FUSE: tl.constexpr = False,
-                HAS_BIAS: tl.constexpr = False, PDL: tl.constexpr = False):
+                HAS_BIAS: tl.constexpr = False, PREFETCH: tl.constexpr = False, PDL: tl.constexpr = False):
     """out[split, 0, block] = xh[the split's K rows] @ Wq[those rows, block] (float32), one row.
     Grid: (column blocks of 16 TN, splits). x: the part's transformed x, float32.
     ``FUSE``: as exl3_mma's, the last program to finish a 128-column block runs the output
     transform for it into y (exl3_mma._arrive_and_finish): the 8B decode graph's separate
-    output-transform launches were 684 of its 4,367 us a token (H100, 2026-12-07)."""
+    output-transform launches were 684 of its 4,367 us a token (H100, 2026-12-07).
+    ``PREFETCH`` (FastConfig.prefetch): the next step's words load before this step's
+    decode, so their latency overlaps it (Nsight Compute on the split one-row kernel:
+    long_scoreboard, waiting on loads, was 35-41% of the stall samples)."""
     pdl_begin(PDL)
     pid_n = tl.program_id(0)
     pid_s = tl.program_id(1)
@@ -83,16 +97,16 @@ def _row_kernel(x_ptr, w_ptr, tile_part_ptr, out_ptr, TI, TJS, NP, per_split, st
     acc1 = tl.zeros((32, TK, TN), tl.float32)  # J >= 4: 8 columns to the right
     xsum = tl.zeros((TK * 16,), tl.float32)  # AFF: the split's x, summed per place in a step
     lo = pid_s * per_split
-    for step in range(lo, tl.minimum(lo + per_split, tl.cdiv(TI, TK))):
+    hi = tl.minimum(lo + per_split, tl.cdiv(TI, TK))
+    if PREFETCH:  # the first step's words; each step then loads the next one's before decoding
+        a_n, b_n = _words(w_ptr, lo, TI, TJS, offa, offb, tk, K, TK, EVEN_K)
+    for step in range(lo, hi):
         k0 = step * TK
-        wp = w_ptr + k0.to(tl.int64) * TJS * (8 * K)
-        if EVEN_K:
-            a = tl.load(wp + offa)
-            b = tl.load(wp + offb)
+        if PREFETCH:  # past the split's last step: that step again (in bounds, no mask)
+            a, b = a_n, b_n
+            a_n, b_n = _words(w_ptr, tl.minimum(step + 1, hi - 1), TI, TJS, offa, offb, tk, K, TK, EVEN_K)
         else:
-            wmask = k0 + tk < TI
-            a = tl.load(wp + offa, mask=wmask, other=0)
-            b = tl.load(wp + offb, mask=wmask, other=0)
+            a, b = _words(w_ptr, step, TI, TJS, offa, offb, tk, K, TK, EVEN_K)
         p = (a.to(tl.uint32, bitcast=True).to(tl.uint64) << 32) | b.to(tl.uint32, bitcast=True).to(tl.uint64)
         if AFF:
             xr = k0 * 16 + tl.arange(0, TK * 16)
@@ -140,4 +154,4 @@ def row_partials(f, x: torch.Tensor, cfg, splits: int, per: int, stride_xp: int,
         stride_xp, y if fused else out, f.svh, f.bias if f.bias is not None else f.svh, f.dest, f.ncols,
         f.counters if fused else f.tile_part, K=f.bits, CB=CODEBOOK_IDS[f.codebook], TK=cfg.tk, TN=cfg.tn,
         EVEN_K=ti % cfg.tk == 0, ASM=asm, AFF=cfg.affine and f.codebook == "mul1", FUSE=fused,
-        HAS_BIAS=f.bias is not None, num_warps=cfg.warps, num_stages=cfg.stages, **pdl_kwargs(gpu_checked=False))
+        HAS_BIAS=f.bias is not None, PREFETCH=bool(cfg.prefetch), num_warps=cfg.warps, num_stages=cfg.stages, **pdl_kwargs(gpu_checked=False))
