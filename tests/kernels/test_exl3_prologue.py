@@ -147,4 +147,22 @@ def test_method_hooks_through_merged_linear(device):
     dense = Linear(128, 64, False, UnquantizedLinearMethod(), torch.bfloat16)
     assert dense.method.apply_norm(dense, x, None, w, 1e-6) is None
     assert dense.method.apply_glu(dense, torch.zeros(1, 128)) is None
+    assert dense.method.input_transform(dense, 1) is None
+    assert layer.method.input_transform(layer, 1) is None  # this kernel hands no transform out
 
+
+
+def test_transform_handed_to_the_kernel_before(device):
+    # layer_input_transform: what the decode attention writes for a one-part layer (o_proj);
+    # run_layer_transformed takes it: bit for bit the plain path.
+    from trellm.quant.base import InputTransform
+
+    f = _fused(256, (384,), device, bias=True)
+    layer = _layer(f)
+    spec = exl3_prologue.layer_input_transform(layer, 1)
+    assert isinstance(spec, InputTransform) and spec.dtype == torch.float32 and torch.equal(spec.suh, f.suh[0])
+    x = _randn(1, 256, seed=11, device=device, dtype=torch.bfloat16)
+    xh = exl3_fast.fast_input_transform(f, x, spec.dtype)[0]
+    assert torch.equal(exl3_prologue.run_layer_transformed(layer, x, xh), exl3_fast.fast_matmul(f, x))
+    assert exl3_prologue.layer_input_transform(layer, 4) is None  # 2-32 rows: fragment order
+    assert exl3_prologue.layer_input_transform(_layer(_fused(256, (128, 256), device)), 1) is None  # two parts

@@ -193,3 +193,29 @@ def test_backend_owns_counters_across_steps(device):
         _assert(kt.compare("attend", str(len(lens)), got, want, kt.TOLERANCES[BF16], BF16))
     assert backend._counters.numel() >= 264 and len(backend._retired) == 1
     assert not backend._counters.any() and not backend._retired[0].any()
+
+
+@pytest.mark.parametrize("num_splits,fused", [(1, False), (3, False), (3, True), (5, True)],
+                         ids=["direct", "reduce", "fused", "fused5"])
+def test_decode_writes_the_next_linears_input_transform(num_splits, fused, device):
+    # xform: besides out, had_r_128(out * suh) of the decode rows, bit for bit what the
+    # transform's own launch (exl3_prologue.fast_input_transform, butterflies) makes of out.
+    from types import SimpleNamespace
+
+    from trellm.kernels import exl3_prologue
+
+    lens, hq, hk = [1, 90, 200], 4, 2  # 200 tokens: several splits used; 1: one
+    inputs = _decode_inputs(lens, hq, hk, 128, BF16, device)
+    q, token_index = inputs[0], inputs[4]
+    suh = torch.where(torch.rand(hq * 128, generator=torch.Generator().manual_seed(3)) < 0.5, -1.0, 1.0)
+    suh = suh.half().to(device)
+    xh = torch.full((q.shape[0], hq * 128), 7.0, device=device)
+    out = _decode(inputs, num_splits=num_splits, fused_reduce=fused, xform=(suh, xh))
+    assert torch.equal(out, _decode(inputs, num_splits=num_splits, fused_reduce=fused))
+    f = SimpleNamespace(parts=(None,), padded_in=hq * 128, in_features=hq * 128, suh=suh[None])
+    rows = token_index.long()
+    want = exl3_prologue.fast_input_transform(f, out.reshape(q.shape[0], -1)[rows], torch.float32)[0]
+    assert torch.equal(xh[rows], want)
+    assert (xh[:2] == 7.0).all(), "rows that are not decode rows must be left alone"
+    with pytest.raises(ValueError, match="xform"):
+        _decode(_decode_inputs([5], 4, 2, 64, BF16, device), xform=(suh[:256], xh[:, :256]))

@@ -74,3 +74,28 @@ def test_decode_only_and_prefill_only_steps(device):
         want = TorchPagedAttention().forward(q[sl], k[sl], v[sl], a, m, 0.125)
         got = TritonPagedAttention().forward(q[sl].contiguous(), k[sl], v[sl], b, m, 0.125)
         torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)
+
+
+def test_attend_xform_on_decode_only_steps(device):
+    # The decode kernel also writes o_proj's input transform (quant.base.InputTransform);
+    # None where it cannot: prefill rows in the step, or head_dim != 128.
+    from types import SimpleNamespace
+
+    from trellm.kernels import exl3_prologue
+    from trellm.quant.base import InputTransform
+
+    q, k, v, kv, meta = _step(device, d=128, dtype=torch.bfloat16)
+    write_kv(k, v, kv, meta.slot_mapping)
+    suh = torch.where(torch.arange(8 * 128) % 3 == 0, -1.0, 1.0).half().to(device)
+    spec = InputTransform(suh, torch.float32)
+    backend = TritonPagedAttention()
+    assert backend.attend_xform(q, kv, meta, 0.125, spec) is None  # prefill rows in the step
+    dec = AttentionMetadata(slot_mapping=meta.slot_mapping[:2], decode=meta.decode, prefills=[], block_size=4)
+    out, xh = backend.attend_xform(q[:2].contiguous(), kv, dec, 0.125, spec)
+    assert torch.equal(out, backend.attend(q[:2].contiguous(), kv, dec, 0.125).reshape(2, -1))
+    f = SimpleNamespace(parts=(None,), padded_in=8 * 128, in_features=8 * 128, suh=suh[None])
+    assert torch.equal(xh, exl3_prologue.fast_input_transform(f, out, torch.float32)[0])
+    q64, _, _, kv64, meta64 = _step(device)
+    dec64 = AttentionMetadata(slot_mapping=meta64.slot_mapping[:2], decode=meta64.decode, prefills=[], block_size=4)
+    assert backend.attend_xform(q64[:2].contiguous(), kv64, dec64, 0.125, InputTransform(suh[:512], torch.float32)) \
+        is None

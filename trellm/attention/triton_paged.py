@@ -128,20 +128,39 @@ class TritonPagedAttention:
     def attend(self, q: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata,
                scale: float) -> torch.Tensor:
         """Attention for a step whose K/V are already in the cache. q: [T, Hq, D]."""
+        return self._attend(q, kv_cache, meta, scale, None)[0]
+
+    def attend_xform(self, q: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata, scale: float,
+                     transform) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """(``attend``'s output [T, Hq * D], its input transform for the next linear [T, Hq * D]
+        as ``transform`` (quant.base.InputTransform) asks), written by the decode kernel as it
+        stores its output; None where it cannot (prefill rows in the step, D != 128)."""
+        sm = self.step_metadata(meta, q.device)
+        if q.shape[-1] != 128 or transform.suh.shape != (q.shape[1] * 128,) or sm.prefill_q_start is not None \
+                or sm.decode_token_index is None:
+            return None
+        out, xh = self._attend(q, kv_cache, meta, scale, transform)
+        return out.reshape(q.shape[0], -1), xh
+
+    def _attend(self, q, kv_cache, meta, scale, transform):
         from trellm.kernels.paged_attention import paged_decode, paged_prefill
 
         if q.stride(2) != 1:
             q = q.contiguous()
         sm = self.step_metadata(meta, q.device)
         out = torch.empty_like(q)
+        xh = None
         if sm.decode_token_index is not None:
             fused = self.fused_decode_reduce
             counters = self.decode_counters(sm.decode_seq_lens.shape[0] * kv_cache.shape[3], q.device) \
                 if fused else None
+            if transform is not None:
+                xh = torch.empty(q.shape[0], q.shape[1] * q.shape[2], dtype=transform.dtype, device=q.device)
             paged_decode(q, kv_cache, sm.decode_block_table, sm.decode_seq_lens, scale,
                          token_index=sm.decode_token_index, out=out, max_seq_len=sm.decode_max_seq_len,
-                         fused_reduce=fused, counters=counters)
+                         fused_reduce=fused, counters=counters,
+                         xform=None if xh is None else (transform.suh, xh))
         if sm.prefill_q_start is not None:
             paged_prefill(q, kv_cache, sm.prefill_block_table, sm.prefill_q_start, sm.prefill_q_lens,
                           sm.prefill_seq_lens, sm.prefill_max_q_len, scale, out=out)
-        return out
+        return out, xh

@@ -592,7 +592,9 @@ def register() -> None:
     from trellm.quant.exl3.method import EXL3LayerKernel, register_layer_kernel, unregister_layer_kernel
 
     unregister_layer_kernel("triton-fast")
-    from trellm.kernels.exl3_prologue import run_layer_glu, run_layer_norm
+    from trellm.kernels import exl3_prologue as pro
 
     register_layer_kernel(EXL3LayerKernel("triton-fast", prepare_layer, layer_supports, run_layer,
-                                          run_norm=run_layer_norm, run_glu=run_layer_glu))
+                                          run_norm=pro.run_layer_norm, run_glu=pro.run_layer_glu,
+                                          input_transform=pro.layer_input_transform,
+                                          run_transformed=pro.run_layer_transformed))

@@ -148,14 +148,13 @@ def fast_input_transform(f, x2: torch.Tensor, dtype: torch.dtype, frag_rows: int
     return out
 
 
-def _fused_plan(layer, x: torch.Tensor, n_in: int):
+def _fused_plan(layer, m: int, n_in: int):
     """(f, cfg, dtype) where the layer's linear can take x transformed by the kernel before
     it, else None: one fused group, the decode dispatch (not prefill's reconstruct), a main
     kernel that reads the plain transformed layout, butterflies on (FastDispatch.fuse_in)."""
     from trellm.kernels import exl3_fast
 
     d = exl3_fast.get_dispatch()
-    m = x.numel() // max(1, x.shape[-1])
     if not d.fuse_in or not d.in_fwht or len(layer.groups) != 1 or not 0 < m < d.reconstruct_min_rows:
         return None
     f = layer.groups[0]
@@ -180,7 +179,7 @@ def _linear(f, cfg, x2: torch.Tensor, xh: torch.Tensor, dtype: torch.dtype) -> t
 def run_layer_norm(layer, x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor, eps: float):
     """(linear(RMSNorm(x + residual)), x + residual) with the transform in the norm's launch
     (residual None: x is the residual), or None where the plain path must run."""
-    plan = _fused_plan(layer, x, x.shape[-1])
+    plan = _fused_plan(layer, _nrows(x), x.shape[-1])
     if plan is None or weight.dtype != x.dtype:
         return None
     f, cfg, xdt = plan
@@ -191,13 +190,37 @@ def run_layer_norm(layer, x: torch.Tensor, residual: torch.Tensor | None, weight
 
 def run_layer_glu(layer, gate_up: torch.Tensor):
     """linear(silu(gate) * up) with the transform in the SiLU-and-mul launch, or None."""
-    plan = _fused_plan(layer, gate_up, gate_up.shape[-1] // 2)
+    plan = _fused_plan(layer, _nrows(gate_up), gate_up.shape[-1] // 2)
     if plan is None or gate_up.shape[-1] % 2:
         return None
     f, cfg, xdt = plan
     xh = glu_input_transform(f.suh, gate_up, xdt)
     y = _linear(f, cfg, _rows(gate_up), xh, gate_up.dtype)
     return y.reshape(*gate_up.shape[:-1], f.out_features)
+
+
+def layer_input_transform(layer, rows: int):
+    """quant.base.InputTransform for the kernel before a one-part layer (o_proj: the decode
+    attention, paged_decode's ``xform``), or None."""
+    from trellm.quant.base import InputTransform
+
+    plan = _fused_plan(layer, rows, layer.in_features)
+    if plan is None or len(plan[0].parts) != 1:
+        return None
+    return InputTransform(plan[0].suh[0], plan[2])
+
+
+def run_layer_transformed(layer, x: torch.Tensor, xh: torch.Tensor) -> torch.Tensor:
+    """The layer's output from x [..., in] and xh [rows, in_p] as layer_input_transform
+    asked for it."""
+    f, cfg, _ = _fused_plan(layer, _nrows(x), x.shape[-1])
+    x2 = _rows(x)
+    y = _linear(f, cfg, x2, xh.view(1, x2.shape[0], f.padded_in), x.dtype)
+    return y.reshape(*x.shape[:-1], f.out_features)
+
+
+def _nrows(x: torch.Tensor) -> int:
+    return x.numel() // max(1, x.shape[-1])
 
 
 def _transform_ref(suh: torch.Tensor, y: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:

@@ -34,6 +34,7 @@ import math
 import torch
 
 from trellm.kernels._triton import tl, triton, pdl_begin, pdl_kwargs
+from trellm.kernels.exl3_decode import _fwht128
 
 _LOG2E = 1.4426950408889634
 _MIN_TOKENS_PER_SPLIT = 256
@@ -55,6 +56,21 @@ thread at 4 warps, so the combine does not raise the split kernel's register cou
 # ---- decode ------------------------------------------------------------------------
 
 @triton.jit
+def _store_out(out_ptr, xh_ptr, suh_ptr, row, heads, offs_d, val, mask, stride_ot, stride_oh, stride_xh,
+               BM: tl.constexpr, HEAD_DIM: tl.constexpr, XFORM: tl.constexpr):
+    """Store rows ``heads`` of the output; with XFORM also the next linear's input transform
+    of them (exl3_prologue: had_r_128(out * suh), float32 math on the rounded output, as the
+    transform's own launch computes it): a head's HEAD_DIM = 128 outputs are one block."""
+    o = val.to(out_ptr.dtype.element_ty)
+    tl.store(out_ptr + row * stride_ot + heads[:, None] * stride_oh + offs_d[None, :], o, mask=mask)
+    if XFORM:
+        col = heads[:, None] * HEAD_DIM + offs_d[None, :]
+        v = o.to(tl.float32) * tl.load(suh_ptr + col, mask=mask, other=0.0).to(tl.float32)
+        h = _fwht128(v, BM) * 0.08838834764831845
+        tl.store(xh_ptr + row * stride_xh + col, h.to(xh_ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit
 def _decode_split_kernel(
     q_ptr, k_ptr, v_ptr, block_table_ptr, seq_lens_ptr, token_index_ptr,
     out_ptr, part_out_ptr, part_lse_ptr,
@@ -71,7 +87,7 @@ def _decode_split_kernel(
     PAGE: tl.constexpr, BLOCK_N: tl.constexpr,
     DIRECT: tl.constexpr, FUSED: tl.constexpr, BLOCK_S: tl.constexpr,
     BLOCK_H: tl.constexpr, CHUNK: tl.constexpr, PRECISION: tl.constexpr, SPLIT_FLOOR: tl.constexpr = 0,
-    PDL: tl.constexpr = False,
+    xh_ptr=None, suh_ptr=None, stride_xh=0, XFORM: tl.constexpr = False, PDL: tl.constexpr = False,
 ):
     # Before the wait for the previous kernel: the step's metadata (copied in before the
     # forward; no kernel of it writes them), so that only the q and K / V loads wait on it.
@@ -126,23 +142,24 @@ def _decode_split_kernel(
         m_i = m_new
 
     out_mask = g_mask[:, None] & d_mask[None, :]
-    out_ptrs = out_ptr + row * stride_ot + heads[:, None] * stride_oh + offs_d[None, :]
     part_rows = part_out_ptr + b * stride_pb + heads[:, None] * stride_ph + split * stride_ps + offs_d[None, :]
     lse_ptrs = part_lse_ptr + b * stride_lb + heads * stride_lh + split
     if DIRECT:
-        tl.store(out_ptrs, (acc / l_i[:, None]).to(out_ptr.dtype.element_ty), mask=out_mask)
+        _store_out(out_ptr, xh_ptr, suh_ptr, row, heads, offs_d, acc / l_i[:, None], out_mask, stride_ot, stride_oh,
+                   stride_xh, BLOCK_G, HEAD_DIM, XFORM)
     elif FUSED:
         n_used = tl.cdiv(seq_len, per_split)  # the non-empty splits: exactly those with start < seq_len
         if n_used == 1:
             # The lone split's acc / l_i is what a reduce returns (its weight is exp2(0) = 1).
-            tl.store(out_ptrs, (acc / l_i[:, None]).to(out_ptr.dtype.element_ty), mask=out_mask)
+            _store_out(out_ptr, xh_ptr, suh_ptr, row, heads, offs_d, acc / l_i[:, None], out_mask, stride_ot,
+                       stride_oh, stride_xh, BLOCK_G, HEAD_DIM, XFORM)
         else:
             tl.store(part_rows, acc / l_i[:, None], mask=out_mask)
             tl.store(lse_ptrs, m_i + tl.log2(l_i), mask=g_mask)
             _arrive_and_combine(part_out_ptr, part_lse_ptr, out_ptr, counter_ptr + b * tl.num_programs(1) + kvh,
                                 row, b, kvh, n_used, stride_pb, stride_ph, stride_ps, stride_lb, stride_lh,
-                                stride_ot, stride_oh, GROUP=GROUP, HEAD_DIM=HEAD_DIM, BLOCK_D=BLOCK_D,
-                                BLOCK_H=BLOCK_H, CHUNK=CHUNK, BLOCK_S=BLOCK_S)
+                                stride_ot, stride_oh, xh_ptr, suh_ptr, stride_xh, GROUP=GROUP, HEAD_DIM=HEAD_DIM,
+                                BLOCK_D=BLOCK_D, BLOCK_H=BLOCK_H, CHUNK=CHUNK, BLOCK_S=BLOCK_S, XFORM=XFORM)
     else:
         # An empty split leaves l_i == 0: store zeros and lse = -inf (weight 0 in the reduce).
         tl.store(part_rows, acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None], mask=out_mask)
@@ -152,8 +169,9 @@ def _decode_split_kernel(
 @triton.jit
 def _arrive_and_combine(part_out_ptr, part_lse_ptr, out_ptr, counter, row, b, kvh, n_used,
                         stride_pb, stride_ph, stride_ps, stride_lb, stride_lh, stride_ot, stride_oh,
-                        GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
-                        BLOCK_H: tl.constexpr, CHUNK: tl.constexpr, BLOCK_S: tl.constexpr):
+                        xh_ptr, suh_ptr, stride_xh, GROUP: tl.constexpr, HEAD_DIM: tl.constexpr,
+                        BLOCK_D: tl.constexpr, BLOCK_H: tl.constexpr, CHUNK: tl.constexpr, BLOCK_S: tl.constexpr,
+                        XFORM: tl.constexpr):
     """Count this split in; the last of the ``n_used`` arrivals combines them all.
 
     The pattern of CUTLASS's split-K semaphore: a CTA barrier (every thread's partial
@@ -190,8 +208,8 @@ def _arrive_and_combine(part_out_ptr, part_lse_ptr, out_ptr, counter, row, b, kv
             o = tl.load(o_rows[:, None, None] + offs_c[None, :, None] * stride_ps + offs_d[None, None, :],
                         mask=hc_mask[:, :, None] & d_mask[None, None, :], other=0.0, cache_modifier=".cg")
             res += tl.sum(o * w[:, :, None], 1)
-        tl.store(out_ptr + row * stride_ot + heads[:, None] * stride_oh + offs_d[None, :],
-                 res.to(out_ptr.dtype.element_ty), mask=h_mask[:, None] & d_mask[None, :])
+        _store_out(out_ptr, xh_ptr, suh_ptr, row, heads, offs_d, res, h_mask[:, None] & d_mask[None, :], stride_ot,
+                   stride_oh, stride_xh, BLOCK_H, HEAD_DIM, XFORM)
         # Every arrival has counted (this one was last): ready for the next launch or replay.
         tl.atomic_xchg(counter, 0, sem="relaxed", scope="gpu")
 
@@ -203,7 +221,8 @@ def _decode_reduce_kernel(
     stride_lb, stride_lh,
     stride_ot, stride_oh,
     num_splits,
-    BLOCK_S: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, PDL: tl.constexpr = False,
+    BLOCK_S: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
+    xh_ptr=None, suh_ptr=None, stride_xh=0, XFORM: tl.constexpr = False, PDL: tl.constexpr = False,
 ):
     pdl_begin(PDL)
     b = tl.program_id(0)
@@ -220,7 +239,9 @@ def _decode_reduce_kernel(
     o = tl.load(part_out_ptr + b * stride_pb + h * stride_ph + offs_s[:, None] * stride_ps + offs_d[None, :],
                 mask=s_mask[:, None] & d_mask[None, :], other=0.0)
     res = tl.sum(o * w[:, None], 0)
-    tl.store(out_ptr + row * stride_ot + h * stride_oh + offs_d, res.to(out_ptr.dtype.element_ty), mask=d_mask)
+    heads = h + tl.zeros([1], tl.int32)
+    _store_out(out_ptr, xh_ptr, suh_ptr, row, heads, offs_d, tl.reshape(res, (1, BLOCK_D)), d_mask[None, :],
+               stride_ot, stride_oh, stride_xh, 1, HEAD_DIM, XFORM)
 
 
 def _num_sms(device: torch.device) -> int:
@@ -269,7 +290,8 @@ def paged_decode(q: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.Ten
                  seq_lens: torch.Tensor, scale: float, *, token_index: torch.Tensor | None = None,
                  out: torch.Tensor | None = None, max_seq_len: int | None = None,
                  num_splits: int | None = None, fused_reduce: bool = False,
-                 counters: torch.Tensor | None = None) -> torch.Tensor:
+                 counters: torch.Tensor | None = None,
+                 xform: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
     """One query token per sequence attending over its paged context.
 
     q: [T, Hq, D]; sequence b's query is row ``token_index[b]`` (default: row b).
@@ -283,8 +305,13 @@ def paged_decode(q: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.Ten
     module doc) instead of a reduce kernel. ``counters``: int32, >= B * kv_heads
     entries, all 0; the kernel leaves them 0, so pass a persistent buffer. None
     allocates zeros for this call (under a CUDA graph: a memset in every replay).
+
+    ``xform`` (suh [Hq * D], xh [T, Hq * D]): also write ``had_r_128(out * suh)`` of the
+    same rows to xh, the input transform of an EXL3 o_proj (exl3_prologue), so that it
+    needs no launch of its own. D must be 128 (a head is one Hadamard block).
     """
     page, hk, d, group = _check_cache(q, kv_cache)
+    xf = _check_xform(xform, q, d)
     bsz = block_table.shape[0]
     if token_index is None:
         token_index = torch.arange(bsz, device=q.device, dtype=torch.int32)
@@ -319,7 +346,7 @@ def paged_decode(q: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.Ten
         PAGE=page, BLOCK_N=block_n, DIRECT=direct, FUSED=fused,
         BLOCK_S=block_s, BLOCK_H=block_h, CHUNK=max(2, min(block_s, _COMBINE_TILE // (block_h * block_d))),
         PRECISION=_dot_precision(q.dtype), SPLIT_FLOOR=triton.cdiv(SPLIT_FLOOR_TOKENS, block_n) * block_n,
-        num_warps=_DECODE_WARPS, num_stages=_DECODE_STAGES, **pdl_kwargs(),
+        num_warps=_DECODE_WARPS, num_stages=_DECODE_STAGES, **xf, **pdl_kwargs(),
     )
     if not direct and not fused:
         _decode_reduce_kernel[(bsz, q.shape[1])](
@@ -327,9 +354,22 @@ def paged_decode(q: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.Ten
             *p_strides, *l_strides,
             out.stride(0), out.stride(1),
             num_splits,
-            BLOCK_S=block_s, HEAD_DIM=d, BLOCK_D=block_d, num_warps=4, **pdl_kwargs(),
+            BLOCK_S=block_s, HEAD_DIM=d, BLOCK_D=block_d, num_warps=4, **xf, **pdl_kwargs(),
         )
     return out
+
+
+def _check_xform(xform: tuple[torch.Tensor, torch.Tensor] | None, q: torch.Tensor, d: int) -> dict:
+    """The kernels' XFORM arguments (none without ``xform``)."""
+    if xform is None:
+        return {}
+    suh, xh = xform
+    width = q.shape[1] * d
+    if d != 128 or suh.shape != (width,) or xh.shape != (q.shape[0], width) or xh.stride(1) != 1 \
+            or xh.device != q.device or suh.device != q.device:
+        raise ValueError(f"xform needs head_dim 128, suh [{width}] and xh [{q.shape[0]}, {width}] (contiguous rows) "
+                         f"on {q.device}; got head_dim {d}, suh {tuple(suh.shape)}, xh {tuple(xh.shape)}")
+    return {"xh_ptr": xh, "suh_ptr": suh, "stride_xh": xh.stride(0), "XFORM": True}
 
 
 def _partials(out: torch.Tensor, bsz: int, num_splits: int, d: int, direct: bool) -> tuple:

@@ -74,18 +74,38 @@ class Attention(torch.nn.Module):
             k = k.view(t, self.num_kv_heads, self.head_dim)
             v = v.view(t, self.num_kv_heads, self.head_dim)
             if ctx.ops is not None:
-                # Fused path (GPU kernels): q/k norm, RoPE and the KV write in one kernel.
-                norms = {}
-                if self.q_norm is not None:
-                    norms = {"q_norm": (self.q_norm.weight, self.q_norm.eps),
-                             "k_norm": (self.k_norm.weight, self.k_norm.eps)}
-                cos, sin = self.rope.tables(q.device)
-                q = ctx.ops.rope_and_write_kv(q, k, v, cos, sin, kv_cache, ctx.meta.slot_mapping, positions, **norms)
+                q = self._rope_write(q, k, v, kv_cache, positions, ctx)
                 return ctx.backend.attend(q, kv_cache, ctx.meta, self.scale).reshape(t, -1)
             if self.q_norm is not None:
                 q, k = self.q_norm.forward(q), self.k_norm.forward(k)
             q, k = self.rope.forward(q, k, ctx.cos_sin, ctx.rope_rotation)
         return ctx.backend.forward(q, k, v, kv_cache, ctx.meta, self.scale).reshape(t, -1)
+
+
+    def _rope_write(self, q, k, v, kv_cache, positions, ctx) -> torch.Tensor:
+        """Fused path (GPU kernels): q/k norm, RoPE and the KV write in one kernel; returns q."""
+        norms = {}
+        if self.q_norm is not None:
+            norms = {"q_norm": (self.q_norm.weight, self.q_norm.eps), "k_norm": (self.k_norm.weight, self.k_norm.eps)}
+        cos, sin = self.rope.tables(q.device)
+        return ctx.ops.rope_and_write_kv(q, k, v, cos, sin, kv_cache, ctx.meta.slot_mapping, positions, **norms)
+
+    def project(self, qkv: torch.Tensor, positions: torch.Tensor, ctx) -> torch.Tensor:
+        """o_proj(attend_qkv(qkv)) with the GPU kernels (ctx.ops). Where o_proj wants its input
+        transformed first (EXL3) and the backend can do it as it stores the heads' output
+        (decode-only steps), the attention kernel writes that too and o_proj skips its pass."""
+        t = qkv.shape[0]
+        spec = self.o_proj.method.input_transform(self.o_proj, t)
+        attend_xform = getattr(ctx.backend, "attend_xform", None)
+        if spec is None or attend_xform is None:
+            return self.o_proj.forward(self.attend_qkv(qkv, positions, ctx))
+        q, k, v = (p.view(t, -1, self.head_dim) for p in self.qkv_proj.split(qkv))
+        kv_cache = ctx.kv_caches[self.layer_idx]
+        q = self._rope_write(q, k, v, kv_cache, positions, ctx)
+        done = attend_xform(q, kv_cache, ctx.meta, self.scale, spec)
+        if done is None:
+            return self.o_proj.forward(ctx.backend.attend(q, kv_cache, ctx.meta, self.scale).reshape(t, -1))
+        return self.o_proj.method.apply_transformed(self.o_proj, *done)
 
 
 class MLP(torch.nn.Module):
@@ -192,7 +212,7 @@ class LlamaForCausalLM(torch.nn.Module):
         for layer in self.layers:
             attn, mlp = layer.self_attn, layer.mlp
             qkv, residual = norm_linear(attn.qkv_proj, out, residual, layer.input_layernorm, ops)
-            out = attn.o_proj.forward(attn.attend_qkv(qkv, positions, ctx))
+            out = attn.project(qkv, positions, ctx)
             gate_up, residual = norm_linear(mlp.gate_up_proj, out, residual, layer.post_attention_layernorm, ops)
             out = glu_linear(mlp.down_proj, gate_up, ops)
         return ops.fused_add_rms_norm(out, residual, self.norm.weight, self.norm.eps)[0]

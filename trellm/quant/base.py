@@ -7,10 +7,23 @@ chosen from the checkpoint's ``quantization_config``, never from a file name.
 """
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 import torch.nn.functional as F
 
 from trellm.kernels.gemv import gemv
+
+
+@dataclass(frozen=True, eq=False)
+class InputTransform:
+    """The pass a linear makes over its input first, for the kernel before it to make instead
+    (LinearMethod.input_transform): ``had_r_128(x * suh)`` of each 128-input block, stored
+    in ``dtype`` as [rows, suh.numel()] (EXL3's input transform, exl3_prologue)."""
+
+    suh: torch.Tensor
+    """[padded_in] (+-1, fp16)."""
+    dtype: torch.dtype
 
 
 class LinearMethod:
@@ -59,6 +72,15 @@ class LinearMethod:
     def apply_glu(self, layer: torch.nn.Module, gate_up: torch.Tensor) -> torch.Tensor | None:
         """apply(silu(gate) * up) of gate_up [..., 2 I] in the method's own launches, or None."""
         return None
+
+    def input_transform(self, layer: torch.nn.Module, rows: int) -> InputTransform | None:
+        """The transform ``apply_transformed`` wants done to an input of ``rows`` rows by the
+        kernel before it, or None (the usual: ``apply`` takes x as it is)."""
+        return None
+
+    def apply_transformed(self, layer: torch.nn.Module, x: torch.Tensor, xh: torch.Tensor) -> torch.Tensor:
+        """``apply(x)`` given also xh, x as ``input_transform`` asked for it."""
+        raise NotImplementedError(f"{type(self).__name__} takes no pre-transformed input")
 
 
 class UnquantizedLinearMethod(LinearMethod):

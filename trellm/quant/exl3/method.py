@@ -88,6 +88,10 @@ class EXL3LayerKernel:
     (LinearMethod.apply_norm)."""
     run_glu: Callable[..., Any] | None = None
     """(state, gate_up) -> linear(silu(gate) * up), or None (LinearMethod.apply_glu)."""
+    input_transform: Callable[..., Any] | None = None
+    """(state, rows) -> quant.base.InputTransform or None (LinearMethod.input_transform)."""
+    run_transformed: Callable[..., Any] | None = None
+    """(state, x, xh) -> y (LinearMethod.apply_transformed)."""
 
 
 _LAYER_KERNELS: list[EXL3LayerKernel] = []
@@ -235,6 +239,16 @@ class EXL3LinearMethod(LinearMethod):
     def apply_norm(self, layer, x, residual, weight, eps):
         prepared = self._fused(layer, x, "run_norm")
         return None if prepared is None else prepared[0].run_norm(prepared[1], x, residual, weight, eps)
+
+    def input_transform(self, layer, rows):
+        prepared = None if self.dense else getattr(layer, "exl3_layer_kernel", None)
+        if prepared is None or prepared[0].input_transform is None:
+            return None
+        return prepared[0].input_transform(prepared[1], rows)
+
+    def apply_transformed(self, layer, x, xh):
+        prepared = layer.exl3_layer_kernel
+        return prepared[0].run_transformed(prepared[1], x, xh)
 
     def apply_glu(self, layer, gate_up):
         # supports() checks x's width against the layer's: gate_up is twice that
