@@ -191,14 +191,15 @@ rf)
         --quantization exl3 --bits 4 --out "$out/ovh" 2>&1 | grep -E "^ +K " | head -12
     ;;
 fi|fis)
-    [ "$stage" = fis ] || timeout 140 python3 -m pytest -q -p no:cacheprovider tests/kernels/test_exl3_prologue.py \
-        tests/kernels/test_exl3_kernels.py -k "prologue or fragment_order or fast_groups or (fast_every and 4-mul1)" \
-        2>&1 | tail -3
+    # the A/B first: a call cut short by the device budget keeps the figures that matter most
+    fi_ab "${AB_LIM:-70}"
     mkdir -p "$out/sweep"
     [ "$stage" = fis ] || timeout 95 python3 scripts/gpu_exl3_sweep.py --out "$out/sweep" --budget 85 --combos 4:mul1 \
         --layer-only --variants row-8x4-asm-aff-fo,row-8x4-asm-aff-fo-pf,row-8x4-asm-aff-fo-pf-w8,row-8x4-asm-aff-fo-w8 \
         2>&1 | grep -E "checks|best at" | tail -4
-    fi_ab "${AB_LIM:-70}"
+    [ "$stage" = fis ] || timeout 140 python3 -m pytest -q -p no:cacheprovider tests/kernels/test_exl3_prologue.py \
+        tests/kernels/test_triton_backend.py tests/kernels/test_paged_attention.py tests/kernels/test_exl3_kernels.py \
+        -k "prologue or xform or transform or fragment_order or fast_groups or (fast_every and 4-mul1)" 2>&1 | tail -3
     ;;
 fp)
     mkdir -p "$out/ovh"
