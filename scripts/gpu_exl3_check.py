@@ -376,6 +376,7 @@ def _one_engine(cfg_path: str, device: str, kw: dict, concurrent: bool, smoke: b
     r["ttft_ms"] = round(single["ttft_ms"], 1)
     # greedy tokens, so runs under different dispatches can be compared (scripts/tokens_diff.py)
     r["single_token_ids"] = single["token_ids"][0]
+    r.update(_margins(llm, prompts(vocab, 1, 16 if smoke else 128, seed=2), new, r["single_token_ids"]))
     walls = [run(llm, prompts(vocab, 1, prefill_len, seed=3 + i), 1)["wall_s"] for i in range(2)]
     r[f"prefill_{prefill_len}_tok_s"] = round(prefill_len / min(walls), 1)
     if concurrent:
@@ -386,6 +387,17 @@ def _one_engine(cfg_path: str, device: str, kw: dict, concurrent: bool, smoke: b
     del llm, w
     free()
     return r
+
+
+def _margins(llm, batch: list[list[int]], new: int, tokens: list[int]) -> dict:
+    """The single stream again with top-2 log-probs: each step's margin (top-1 minus top-2
+    log-prob), so tokens_diff.py can say whether two runs parted at a near-tie."""
+    from trellm import SamplingParams
+
+    out = llm.generate([{"prompt_token_ids": batch[0]}],
+                       SamplingParams(temperature=0.0, max_tokens=new, ignore_eos=True, logprobs=2))[0].outputs[0]
+    margins = [round(t.top[0][1] - t.top[1][1], 5) if len(t.top) > 1 else None for t in out.logprobs]
+    return {"single_margins": margins, "single_margins_same_tokens": list(out.token_ids) == tokens}
 
 
 def stage_engine(cfg_path: str, device: str, res: dict, smoke: bool, deadline: float) -> None:

@@ -1,7 +1,8 @@
 """Compare the greedy tokens of engine runs (scripts/gpu_exl3_check.py's engine JSON):
 for each run against the first, the positions of the single stream and of the aggregate
 requests where the tokens agree, up to the first difference (a near-tie on random weights
-diverges once and never comes back, so "equal up to" is the measure).
+diverges once and never comes back, so "equal up to" is the measure); where the first run
+recorded its log-prob margins, the margin at the first difference (a near-tie: close to 0).
 
     python3 scripts/tokens_diff.py A/gpu-exl3.json B/gpu-exl3.json [...]
 """
@@ -26,8 +27,13 @@ def runs(path: str) -> dict[str, dict]:
 
 
 def compare(base: dict, other: dict) -> dict:
-    out = {"single": f"{_prefix(base['single_token_ids'], other['single_token_ids'])}/"
-                     f"{len(base['single_token_ids'])}"}
+    n = _prefix(base['single_token_ids'], other['single_token_ids'])
+    out = {"single": f"{n}/{len(base['single_token_ids'])}"}
+    margins = base.get("single_margins") or []
+    if n < len(base["single_token_ids"]) and n < len(margins):
+        # the base run's top-1 minus top-2 log-prob where the runs part: a near-tie is ~0
+        out["single_margin_at_first_difference"] = margins[n]
+        out["single_smallest_margin_before"] = min((m for m in margins[:n] if m is not None), default=None)
     for key in base:
         if key.endswith("_token_ids") and key != "single_token_ids" and key in other:
             pre = [_prefix(a, b) for a, b in zip(base[key], other[key])]
