@@ -131,7 +131,9 @@ def test_method_hooks_through_merged_linear(device):
             layer.weight_loader(name.rsplit(".", 1)[1], t, shard)
     kernel = exl3_method.EXL3LayerKernel(
         "test-fast", lambda parts: exl3_fast.prepare_layer(parts, force=True),
-        lambda state, x: x.shape[-1] == state.in_features, exl3_fast.run_layer, run_norm=exl3_prologue.run_layer_norm, run_glu=exl3_prologue.run_layer_glu)
+        lambda state, x: x.shape[-1] == state.in_features, exl3_fast.run_layer, run_norm=exl3_prologue.run_layer_norm,
+        run_glu=exl3_prologue.run_layer_glu, input_transform=exl3_prologue.layer_input_transform,
+        run_transformed=exl3_prologue.run_layer_transformed)
     exl3_method.register_layer_kernel(kernel)
     try:
         layer.method.process_after_loading(layer)
@@ -144,11 +146,24 @@ def test_method_hooks_through_merged_linear(device):
     gate_up = _randn(1, 256, seed=10, device=device, dtype=torch.bfloat16)
     assert torch.equal(layer.method.apply_glu(layer, gate_up), layer(silu_and_mul(gate_up)))
     assert layer.method.apply_glu(layer, torch.zeros(1, 384, device=device, dtype=torch.bfloat16)) is None
+    # a one-part layer (o_proj) hands its transform out; apply_transformed takes it
+    one = Linear(128, 256, False, exl3_method.EXL3LinearMethod(), torch.bfloat16)
+    one.exl3_device = device
+    for name, t in random_exl3_tensors("o", 128, 256, 4, "mul1", g, device):
+        one.weight_loader(name.rsplit(".", 1)[1], t)
+    exl3_method.register_layer_kernel(kernel)
+    try:
+        one.method.process_after_loading(one)
+    finally:
+        exl3_method.unregister_layer_kernel("test-fast")
+    spec = one.method.input_transform(one, 1, x.dtype, x.device)
+    xh = exl3_fast.fast_input_transform(one.exl3_layer_kernel[1].groups[0], x, spec.dtype)[0]
+    assert torch.equal(one.method.apply_transformed(one, x, xh), one(x))
     dense = Linear(128, 64, False, UnquantizedLinearMethod(), torch.bfloat16)
     assert dense.method.apply_norm(dense, x, None, w, 1e-6) is None
     assert dense.method.apply_glu(dense, torch.zeros(1, 128)) is None
-    assert dense.method.input_transform(dense, 1) is None
-    assert layer.method.input_transform(layer, 1) is None  # this kernel hands no transform out
+    assert dense.method.input_transform(dense, 1, x.dtype, x.device) is None
+    assert layer.method.input_transform(layer, 1, x.dtype, x.device) is None  # two parts: none handed out
 
 
 
@@ -165,4 +180,6 @@ def test_transform_handed_to_the_kernel_before(device):
     xh = exl3_fast.fast_input_transform(f, x, spec.dtype)[0]
     assert torch.equal(exl3_prologue.run_layer_transformed(layer, x, xh), exl3_fast.fast_matmul(f, x))
     assert exl3_prologue.layer_input_transform(layer, 4) is None  # 2-32 rows: fragment order
+    with pytest.raises(ValueError, match="pre-transformed"):  # a main kernel that reads x otherwise
+        exl3_fast.fast_partials(f, x.expand(4, 256).contiguous(), exl3_fast.choose_config(4), xh=xh)
     assert exl3_prologue.layer_input_transform(_layer(_fused(256, (128, 256), device)), 1) is None  # two parts

@@ -38,7 +38,7 @@ class _TransformingMethod(UnquantizedLinearMethod):
     def __init__(self, spec):
         self.spec, self.seen = spec, None
 
-    def input_transform(self, layer, rows):
+    def input_transform(self, layer, rows, dtype, device):
         return self.spec
 
     def apply_transformed(self, layer, x, xh):

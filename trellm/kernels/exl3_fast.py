@@ -395,8 +395,7 @@ def _check(cfg: FastConfig, m: int) -> None:
 
 
 def plain_x_dtype(f: EXL3Fused, cfg: FastConfig) -> torch.dtype | None:
-    """The dtype of the transformed x [parts, M, in_p] that cfg's main kernel reads, or None
-    where it reads x otherwise (in_had: raw; exl3_mma's frag_x: in fragment order)."""
+    """The dtype of the transformed x [parts, M, in_p] cfg's main kernel reads; None: it reads raw x or frag_x's."""
     mma = _mma_applies(f, cfg)
     if (cfg.dot and cfg.in_had and not cfg.split) or (mma and cfg.frag_x):
         return None
@@ -419,6 +418,8 @@ def fast_partials(f: EXL3Fused, x2: torch.Tensor, cfg: FastConfig, y: torch.Tens
     if cfg.mma and not mma:  # K 7-8: the split dot kernel
         cfg = split_fallback(cfg)
     bm = 16 * exl3_mma.row_blocks(cfg, m) if mma else min(cfg.block_m, max(16, _pow2(m))) if cfg.dot else 1
+    if xh is not None and plain_x_dtype(f, cfg) is None:  # the branches below would ignore it
+        raise ValueError(f"a pre-transformed x for {cfg}, whose main kernel reads x otherwise")
     if in_had:
         x, stride_xp, stride_xm = x2, 0, x2.stride(0)
     elif mma and cfg.frag_x:  # whole row-block programs: rows rounded up to 16 per row block

@@ -68,40 +68,43 @@ class Attention(torch.nn.Module):
             hq, hk, d = self.num_heads, self.num_kv_heads, self.head_dim
             qk = self.rope.rotate_rows(qkv[:, :(hq + hk) * d].view(t, hq + hk, d), ctx.rope_rotation)
             q, k, v = qk[:, :hq], qk[:, hq:], qkv[:, (hq + hk) * d:].view(t, hk, d)
+        elif ctx.ops is not None:
+            q, kv_cache = self._fused_q(qkv, positions, ctx)
+            return ctx.backend.attend(q, kv_cache, ctx.meta, self.scale).reshape(t, -1)
         else:
-            q, k, v = self.qkv_proj.split(qkv)
-            q = q.view(t, self.num_heads, self.head_dim)
-            k = k.view(t, self.num_kv_heads, self.head_dim)
-            v = v.view(t, self.num_kv_heads, self.head_dim)
-            if ctx.ops is not None:
-                q = self._rope_write(q, k, v, kv_cache, positions, ctx)
-                return ctx.backend.attend(q, kv_cache, ctx.meta, self.scale).reshape(t, -1)
+            q, k, v = self._heads(qkv)
             if self.q_norm is not None:
                 q, k = self.q_norm.forward(q), self.k_norm.forward(k)
             q, k = self.rope.forward(q, k, ctx.cos_sin, ctx.rope_rotation)
         return ctx.backend.forward(q, k, v, kv_cache, ctx.meta, self.scale).reshape(t, -1)
 
+    def _heads(self, qkv: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        t = qkv.shape[0]
+        q, k, v = self.qkv_proj.split(qkv)
+        return (q.view(t, self.num_heads, self.head_dim), k.view(t, self.num_kv_heads, self.head_dim),
+                v.view(t, self.num_kv_heads, self.head_dim))
 
-    def _rope_write(self, q, k, v, kv_cache, positions, ctx) -> torch.Tensor:
-        """Fused path (GPU kernels): q/k norm, RoPE and the KV write in one kernel; returns q."""
+    def _fused_q(self, qkv: torch.Tensor, positions: torch.Tensor, ctx) -> tuple[torch.Tensor, torch.Tensor]:
+        """Fused path (GPU kernels): q/k norm, RoPE and the KV write in one kernel; (q, kv cache)."""
+        q, k, v = self._heads(qkv)
+        kv_cache = ctx.kv_caches[self.layer_idx]
         norms = {}
         if self.q_norm is not None:
             norms = {"q_norm": (self.q_norm.weight, self.q_norm.eps), "k_norm": (self.k_norm.weight, self.k_norm.eps)}
         cos, sin = self.rope.tables(q.device)
-        return ctx.ops.rope_and_write_kv(q, k, v, cos, sin, kv_cache, ctx.meta.slot_mapping, positions, **norms)
+        q = ctx.ops.rope_and_write_kv(q, k, v, cos, sin, kv_cache, ctx.meta.slot_mapping, positions, **norms)
+        return q, kv_cache
 
     def project(self, qkv: torch.Tensor, positions: torch.Tensor, ctx) -> torch.Tensor:
         """o_proj(attend_qkv(qkv)) with the GPU kernels (ctx.ops). Where o_proj wants its input
         transformed first (EXL3) and the backend can do it as it stores the heads' output
         (decode-only steps), the attention kernel writes that too and o_proj skips its pass."""
         t = qkv.shape[0]
-        spec = self.o_proj.method.input_transform(self.o_proj, t)
+        spec = self.o_proj.method.input_transform(self.o_proj, t, qkv.dtype, qkv.device)
         attend_xform = getattr(ctx.backend, "attend_xform", None)
         if spec is None or attend_xform is None:
             return self.o_proj.forward(self.attend_qkv(qkv, positions, ctx))
-        q, k, v = (p.view(t, -1, self.head_dim) for p in self.qkv_proj.split(qkv))
-        kv_cache = ctx.kv_caches[self.layer_idx]
-        q = self._rope_write(q, k, v, kv_cache, positions, ctx)
+        q, kv_cache = self._fused_q(qkv, positions, ctx)
         done = attend_xform(q, kv_cache, ctx.meta, self.scale, spec)
         if done is None:
             return self.o_proj.forward(ctx.backend.attend(q, kv_cache, ctx.meta, self.scale).reshape(t, -1))

@@ -73,9 +73,11 @@ class LinearMethod:
         """apply(silu(gate) * up) of gate_up [..., 2 I] in the method's own launches, or None."""
         return None
 
-    def input_transform(self, layer: torch.nn.Module, rows: int) -> InputTransform | None:
-        """The transform ``apply_transformed`` wants done to an input of ``rows`` rows by the
-        kernel before it, or None (the usual: ``apply`` takes x as it is)."""
+    def input_transform(self, layer: torch.nn.Module, rows: int, dtype: torch.dtype,
+                        device: torch.device) -> InputTransform | None:
+        """The transform ``apply_transformed`` wants done by the kernel before it to an input
+        of ``rows`` rows in ``dtype`` on ``device``, or None (the usual: ``apply`` takes x as
+        it is)."""
         return None
 
     def apply_transformed(self, layer: torch.nn.Module, x: torch.Tensor, xh: torch.Tensor) -> torch.Tensor:

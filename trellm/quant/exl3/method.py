@@ -240,9 +240,12 @@ class EXL3LinearMethod(LinearMethod):
         prepared = self._fused(layer, x, "run_norm")
         return None if prepared is None else prepared[0].run_norm(prepared[1], x, residual, weight, eps)
 
-    def input_transform(self, layer, rows):
+    def input_transform(self, layer, rows, dtype, device):
         prepared = None if self.dense else getattr(layer, "exl3_layer_kernel", None)
-        if prepared is None or prepared[0].input_transform is None:
+        if prepared is None or prepared[0].input_transform is None or prepared[0].run_transformed is None:
+            return None
+        # the layer kernel must take such an x at all, as apply asks it (a 0-row stand-in)
+        if not prepared[0].supports(prepared[1], torch.empty(0, layer.in_features, dtype=dtype, device=device)):
             return None
         return prepared[0].input_transform(prepared[1], rows)
 
