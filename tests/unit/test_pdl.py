@@ -17,6 +17,8 @@ DECODE_KERNELS = [
     ("trellm.kernels.paged_attention", "_decode_split_kernel"),
     ("trellm.kernels.paged_attention", "_decode_reduce_kernel"),
     ("trellm.kernels.exl3_decode", "_in_kernel"),
+    ("trellm.kernels.exl3_prologue", "_norm_in_kernel"),
+    ("trellm.kernels.exl3_prologue", "_glu_in_kernel"),
     ("trellm.kernels.exl3_decode", "_out_kernel"),
     ("trellm.kernels.exl3_fast", "_split_kernel"),
     ("trellm.kernels.exl3_fast", "_fast_kernel"),
@@ -41,7 +43,8 @@ READ_BEFORE_WAIT = {
     "_rope_kv_kernel": ({"slot_ptr", "pos_ptr", "cos_ptr", "sin_ptr"},
                         {"q_ptr", "k_ptr", "v_ptr", "k_cache_ptr", "v_cache_ptr", "q_out_ptr"}),
     "_decode_split_kernel": ({"seq_lens_ptr", "token_index_ptr", "block_table_ptr"},
-                             {"q_ptr", "k_ptr", "v_ptr", "out_ptr", "part_out_ptr", "part_lse_ptr", "counter_ptr"}),
+                             {"q_ptr", "k_ptr", "v_ptr", "out_ptr", "part_out_ptr", "part_lse_ptr", "counter_ptr",
+                              "xh_ptr", "suh_ptr"}),
 }
 """Kernels that read, before the wait, what no kernel of the forward writes (their weight;
 the step's metadata, copied in before the forward): (pointers read there, pointers that
