@@ -126,7 +126,10 @@ def test_watchdog_declares_a_hung_step_dead(tiny_server):
 
 
 _LAUNCHER = """
-import sys, time
+import signal, sys, time
+# Ctrl-C as from a terminal: a suite started in the background (bash '&') hands its children
+# SIGINT ignored, and uvicorn restores that before re-raising the signal it caught, exit 0.
+signal.signal(signal.SIGINT, signal.default_int_handler)
 from trellm.worker import model_runner
 original = model_runner.ModelRunner.execute
 calls = 0
