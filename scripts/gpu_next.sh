@@ -52,6 +52,7 @@
 #      its GPU kernel tests (and the row kernel's prefetch), the layer sweep of the row kernel
 #      with prefetch / 8 warps, the engine A/B new / --no-fuse-in / --no-in-fwht / TRELLM_PDL=1
 #      with greedy tokens compared (fi_ab) (~9 min). fis: the A/B alone (~5 min).
+#   fiq: fi cut to ~4.5 min (fuse_in on / off, a 3-variant row sweep, the prologue tests).
 #   fp: the 8B EXL3 decode graph at 4.0 bpw profiled kernel by kernel (~2 min).
 #   u: l on an H200, fi on any other card. us: the short budget's u (l without the PDL-off
 #      run and EXL3 at 4.0 bpw and int8 only, ~7 min; else fis).
@@ -61,7 +62,7 @@
 #      (scripts/gpu_gemv_layers.py), then scripts/gpu_pdl_ab.py (whole-engine A/B, Qwen3-0.6B
 #      and 8B single stream), then the GEMV kernel tests; writes the best env-settable
 #      variant to /tmp/trellm-pick.env (stage l's engine checks then run under it).
-# Usage: OUT=... [PICK=1] scripts/gpu_next.sh fi|fis|fp|a|b|c|d|e|f|g|h|i|j|k|l|m|n|o|p|q|r|s|t|u|v|w|x|y|z|fx|fxs|us|uss|ab|rf|rfs|rab
+# Usage: OUT=... [PICK=1] scripts/gpu_next.sh fi|fis|fiq|fp|a|b|c|d|e|f|g|h|i|j|k|l|m|n|o|p|q|r|s|t|u|v|w|x|y|z|fx|fxs|us|uss|ab|rf|rfs|rab
 # Carry .whl (../shared/gpu/wheels.sh) and .gpu (../shared/gpu/configs/*.json copied in).
 set -uo pipefail
 out=${OUT:-/tmp/gpu-next}; mkdir -p "$out"
@@ -124,16 +125,16 @@ fi_ab() {  # $1: limit per run. EXL3 4.0 bpw engine: the defaults (the input tra
     # norm / SiLU launch, FastDispatch.fuse_in), fuse_in off, in_fwht off (the dot, which
     # turns fuse_in off too), then the defaults with PDL on for every kernel (TRELLM_PDL=1);
     # their greedy tokens compared.
-    local lim=$1 tag run pdl
-    for run in "new" "nofuse --no-fuse-in" "dot --no-in-fwht" "pdl"; do
+    local lim=$1 tag run pdl runs=("new" "nofuse --no-fuse-in" "dot --no-in-fwht" "pdl")
+    [ "${FI_SHORT:-0}" = 1 ] && runs=("new" "nofuse --no-fuse-in")
+    for run in "${runs[@]}"; do
         set -- $run; tag=$1; shift
         pdl=$([ "$tag" = pdl ] && echo 1 || echo auto)
         mkdir -p "$out/exl3-$tag"
         TRELLM_PDL=$pdl timeout "$lim" python3 scripts/gpu_exl3_check.py --out "$out/exl3-$tag" --stages engine \
             --budget $((lim - 10)) --engines "exl3 4" "$@" 2>&1 | tail -2
     done
-    python3 scripts/tokens_diff.py "$out/exl3-new/gpu-exl3.json" "$out/exl3-nofuse/gpu-exl3.json" \
-        "$out/exl3-dot/gpu-exl3.json" "$out/exl3-pdl/gpu-exl3.json" 2>&1 | tail -20
+    python3 scripts/tokens_diff.py "$out"/exl3-{new,nofuse,dot,pdl}/gpu-exl3.json 2>&1 | tail -24
 }
 rf_sweep() {  # $1: limit
     mkdir -p "$out/sweep"
@@ -189,6 +190,14 @@ rf)
     mkdir -p "$out/ovh"
     timeout 120 python3 scripts/gpu_overhead.py .gpu/llama-3.1-8b.json:1 --steps 50 --profile \
         --quantization exl3 --bits 4 --out "$out/ovh" 2>&1 | grep -E "^ +K " | head -12
+    ;;
+fiq)
+    # the shortest fi (~4.5 min): fuse_in on / off with tokens compared, the row sweep, the prologue tests
+    FI_SHORT=1 fi_ab "${AB_LIM:-65}"
+    mkdir -p "$out/sweep"
+    timeout 80 python3 scripts/gpu_exl3_sweep.py --out "$out/sweep" --budget 70 --combos 4:mul1 --layer-only \
+        --variants row-8x4-asm-aff-fo,row-8x4-asm-aff-fo-pf-w8,row-8x4-asm-aff-fo-w8 2>&1 | grep -E "checks|best at" | tail -4
+    timeout 60 python3 -m pytest -q -p no:cacheprovider tests/kernels/test_exl3_prologue.py 2>&1 | tail -2
     ;;
 fi|fis)
     # the A/B first: a call cut short by the device budget keeps the figures that matter most
