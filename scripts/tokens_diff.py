@@ -43,7 +43,12 @@ def compare(base: dict, other: dict) -> dict:
 
 
 def main(paths: list[str]) -> None:
-    allruns = {k: v for p in paths for k, v in runs(p).items()}
+    import os
+
+    missing = [p for p in paths if not os.path.exists(p)]
+    if missing:  # a run cut short (or not asked for): compare the others
+        print(f"tokens_diff: no such file: {', '.join(missing)}", file=sys.stderr)
+    allruns = {k: v for p in paths if p not in missing for k, v in runs(p).items()}
     if len(allruns) < 2:
         sys.exit("tokens_diff: need two engine runs with token ids")
     (base_name, base), *rest = allruns.items()
