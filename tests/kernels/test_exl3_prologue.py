@@ -23,27 +23,30 @@ def _randn(*shape, seed, device, dtype):
     return torch.randn(*shape, generator=torch.Generator().manual_seed(seed)).to(device, dtype)
 
 
-@pytest.mark.parametrize("in_f,rows,residual,act,out", [
-    (200, 1, True, torch.bfloat16, torch.float32),   # padded to 256; the row kernel's layout
-    (384, 3, True, torch.float16, torch.float16),    # several rows; the dot kernels' dtype
-    (256, 1, False, torch.bfloat16, torch.float32),  # the first layer: x is the residual
-], ids=["pad-bf16", "rows3-fp16", "nores"])
-def test_norm_transform_equals_the_two_launches(in_f, rows, residual, act, out, device):
+@pytest.mark.parametrize("in_f,rows,residual,act,out,frag", [
+    (200, 1, True, torch.bfloat16, torch.float32, 0),   # padded to 256; the row kernel's layout
+    (384, 3, True, torch.float16, torch.float16, 0),    # several rows; the dot kernels' dtype
+    (256, 1, False, torch.bfloat16, torch.float32, 0),  # the first layer: x is the residual
+    (200, 3, True, torch.bfloat16, torch.float16, 16),  # exl3_mma's fragment order, 13 padding rows
+    (256, 17, False, torch.bfloat16, torch.float16, 32),
+], ids=["pad-bf16", "rows3-fp16", "nores", "frag3", "frag17"])
+def test_norm_transform_equals_the_two_launches(in_f, rows, residual, act, out, frag, device):
     f = _fused(in_f, (128, 256), device)
     x = _randn(rows, in_f, seed=1, device=device, dtype=act) * 3
     res = _randn(rows, in_f, seed=2, device=device, dtype=act) if residual else None
     w = (1 + 0.1 * _randn(in_f, seed=3, device=device, dtype=torch.float32)).to(act)
-    got, got_res = exl3_prologue.norm_input_transform(f.suh, x, res, w, 1e-5, out)
+    got, got_res = exl3_prologue.norm_input_transform(f.suh, x, res, w, 1e-5, out, frag)
     normed, want_res = fused_add_rms_norm(x, res, w, 1e-5) if residual else (rms_norm(x, w, 1e-5), None)
-    want = exl3_fast.fast_input_transform(f, normed, out)
-    assert got.shape == (2, rows, f.padded_in) and got.dtype == out
+    want = exl3_fast.fast_input_transform(f, normed, out, frag)
+    assert got.shape == (2, frag or rows, f.padded_in) and got.dtype == out
     assert torch.equal(got, want)
     if residual:
         assert torch.equal(got_res, want_res)
     else:
         assert got_res is None
-    ref, ref_res = exl3_prologue.norm_input_transform_ref(f.suh, x, res, w, 1e-5, out)
-    torch.testing.assert_close(got.float(), ref.float(), rtol=2e-2, atol=2e-2)  # bf16 rounding of the norm
+    if not frag:
+        ref, ref_res = exl3_prologue.norm_input_transform_ref(f.suh, x, res, w, 1e-5, out)
+        torch.testing.assert_close(got.float(), ref.float(), rtol=2e-2, atol=2e-2)  # bf16 rounding of the norm
 
 
 @pytest.mark.parametrize("in_f,rows", [(200, 1), (256, 2)])
@@ -53,6 +56,8 @@ def test_glu_transform_equals_the_two_launches(in_f, rows, device):
     got = exl3_prologue.glu_input_transform(f.suh, gate_up, torch.float32)
     want = exl3_fast.fast_input_transform(f, silu_and_mul(gate_up), torch.float32)
     assert torch.equal(got, want)
+    frag = exl3_prologue.glu_input_transform(f.suh, gate_up, torch.float16, 16)
+    assert torch.equal(frag, exl3_fast.fast_input_transform(f, silu_and_mul(gate_up), torch.float16, 16))
     ref = exl3_prologue.glu_input_transform_ref(f.suh, gate_up, torch.float32)
     torch.testing.assert_close(got, ref, rtol=2e-2, atol=2e-2)
 
@@ -68,6 +73,8 @@ def test_bad_shapes_are_refused(device):
                                            1e-5, torch.float32)
     with pytest.raises(ValueError, match="even"):
         exl3_prologue.glu_input_transform(f.suh, torch.zeros(1, 5, device=device), torch.float32)
+    with pytest.raises(ValueError, match="fragment order"):
+        exl3_prologue.glu_input_transform(f.suh, torch.zeros(3, 256, device=device), torch.float16, 8)
 
 
 def _layer(f):
@@ -92,6 +99,13 @@ def test_layer_norm_and_glu_hooks_equal_the_plain_path(device):
     gate_up = _randn(1, 256, seed=8, device=device, dtype=torch.bfloat16)
     assert torch.equal(exl3_prologue.run_layer_glu(down, gate_up),
                        exl3_fast.fast_matmul(down.groups[0], silu_and_mul(gate_up)))
+    # 5 rows: exl3_mma (the gemv default) reads x in fragment order, written by the norm / SiLU
+    x5 = _randn(5, 256, seed=12, device=device, dtype=torch.bfloat16)
+    y5, r5 = exl3_prologue.run_layer_norm(layer, x5, x5, w, 1e-6)
+    normed5, want_r5 = fused_add_rms_norm(x5, x5, w, 1e-6)
+    assert torch.equal(r5, want_r5) and torch.equal(y5, exl3_fast.fast_matmul(f, normed5))
+    gu5 = _randn(5, 256, seed=13, device=device, dtype=torch.bfloat16)
+    assert torch.equal(exl3_prologue.run_layer_glu(down, gu5), exl3_fast.fast_matmul(down.groups[0], silu_and_mul(gu5)))
 
 
 def test_hooks_fall_back_where_the_layout_differs(device):
@@ -99,8 +113,8 @@ def test_hooks_fall_back_where_the_layout_differs(device):
     layer = _layer(f)
     w = torch.ones(128, device=device, dtype=torch.bfloat16)
     x = torch.zeros(1, 128, device=device, dtype=torch.bfloat16)
-    # 2-32 rows: exl3_mma reads x in fragment order (frag_x), so the norm cannot write it
-    assert exl3_prologue.run_layer_norm(layer, x.expand(4, 128), None, w, 1e-6) is None
+    # 33-255 rows: the dot kernel transforms its slice of the raw x itself (in_had)
+    assert exl3_prologue.run_layer_norm(layer, x.expand(40, 128), None, w, 1e-6) is None
     assert exl3_prologue.run_layer_norm(layer, x, None, w.float(), 1e-6) is None  # weight dtype
     d = exl3_fast.get_dispatch()
     for off in (dict(fuse_in=False), dict(in_fwht=False)):
@@ -180,6 +194,6 @@ def test_transform_handed_to_the_kernel_before(device):
     xh = exl3_fast.fast_input_transform(f, x, spec.dtype)[0]
     assert torch.equal(exl3_prologue.run_layer_transformed(layer, x, xh), exl3_fast.fast_matmul(f, x))
     assert exl3_prologue.layer_input_transform(layer, 4) is None  # 2-32 rows: fragment order
-    with pytest.raises(ValueError, match="pre-transformed"):  # a main kernel that reads x otherwise
-        exl3_fast.fast_partials(f, x.expand(4, 256).contiguous(), exl3_fast.choose_config(4), xh=xh)
+    with pytest.raises(ValueError, match="pre-transformed"):  # a main kernel that transforms x itself
+        exl3_fast.fast_partials(f, x.expand(40, 256).contiguous(), exl3_fast.choose_config(40), xh=xh)
     assert exl3_prologue.layer_input_transform(_layer(_fused(256, (128, 256), device)), 1) is None  # two parts

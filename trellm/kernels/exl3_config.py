@@ -97,10 +97,11 @@ class FastDispatch:
     graph spent 548 of its 4,367 us a token in the input transforms (H100, 2026-12-07).
     Not yet timed. False: the dot, as before."""
     fuse_in: bool = True
-    """With in_fwht, where the main kernel reads the plain transformed x (one row: the row
-    kernel): the transform runs in the launch before the linear, the RMSNorm before qkv /
-    gate_up or the SiLU-and-mul before down (exl3_prologue), not in a launch of its own.
-    Not yet timed. False: a launch of its own, as before."""
+    """With in_fwht, where the main kernel reads a transformed x (not in_had: 1-32 rows and
+    their fallbacks): the transform runs in the launch before the linear, the RMSNorm before
+    qkv / gate_up or the SiLU-and-mul before down, in plain rows or exl3_mma's fragment
+    order (exl3_prologue), and at one row the decode attention before o_proj; not in a
+    launch of its own. Not yet timed. False: a launch of its own, as before."""
     gemm: FastConfig = FastConfig(tk=8, tn=8, in_had=True, asm=True, block_m=32)
     reconstruct_min_rows: int = 256
     """M >= this: decode to fp16 (``fast_reconstruct``) + cuBLAS, per part."""

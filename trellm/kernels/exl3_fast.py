@@ -54,7 +54,7 @@ from trellm.kernels._triton import tl, triton, pdl_begin, pdl_kwargs
 # re-exported: callers import them from here
 from trellm.kernels.exl3_config import MMA_WIDE_BITS, FastConfig, FastDispatch, split_fallback  # noqa: F401
 from trellm.kernels.exl3_decode import CODEBOOK_IDS, _inst_value, _out_kernel, kernel_bits
-from trellm.kernels.exl3_prologue import fast_input_transform  # noqa: F401 (re-exported)
+from trellm.kernels.exl3_prologue import fast_input_transform, x_layout  # noqa: F401 (re-exported)
 from trellm.kernels.paged_attention import _num_sms
 from trellm.quant.exl3.hadamard import HAD_SIZE
 from trellm.quant.exl3.weight import EXL3Weight
@@ -394,41 +394,29 @@ def _check(cfg: FastConfig, m: int) -> None:
         raise ValueError(f"mma is its own kernel (dot, row, split off; warps dividing tk), got {cfg}")
 
 
-def plain_x_dtype(f: EXL3Fused, cfg: FastConfig) -> torch.dtype | None:
-    """The dtype of the transformed x [parts, M, in_p] cfg's main kernel reads; None: it reads raw x or frag_x's."""
-    mma = _mma_applies(f, cfg)
-    if (cfg.dot and cfg.in_had and not cfg.split) or (mma and cfg.frag_x):
-        return None
-    return torch.float16 if mma or (split_fallback(cfg) if cfg.mma else cfg).dot else torch.float32
-
-
 def fast_partials(f: EXL3Fused, x2: torch.Tensor, cfg: FastConfig, y: torch.Tensor | None = None,
                   xh: torch.Tensor | None = None) -> torch.Tensor:
     """Split-K partials [S, M, sum out_p] (float32) of every part's ``xh @ Wq``; x2 is the
     raw activations [M, in_features] (contiguous rows). ``y``: exl3_mma or exl3_row writes
     the transformed output there too (``_can_fuse``). ``xh``: x already transformed, as
-    ``plain_x_dtype`` says (exl3_prologue: by the norm or SiLU-and-mul kernel before)."""
+    ``x_layout`` says (exl3_prologue: by the norm or SiLU-and-mul kernel before)."""
     from trellm.kernels import exl3_mma  # its module constants need Triton: imported on use
 
     m = x2.shape[0]
     _check(cfg, m)
     ti, tj, _ = f.trellis.shape
-    in_had = cfg.dot and cfg.in_had and not cfg.split
+    layout = x_layout(f, cfg, m)
     mma = _mma_applies(f, cfg)
     if cfg.mma and not mma:  # K 7-8: the split dot kernel
         cfg = split_fallback(cfg)
     bm = 16 * exl3_mma.row_blocks(cfg, m) if mma else min(cfg.block_m, max(16, _pow2(m))) if cfg.dot else 1
-    if xh is not None and plain_x_dtype(f, cfg) is None:  # the branches below would ignore it
-        raise ValueError(f"a pre-transformed x for {cfg}, whose main kernel reads x otherwise")
-    if in_had:
+    if layout is None:  # in_had: each program transforms its own slice of the raw x
+        if xh is not None:
+            raise ValueError(f"a pre-transformed x for {cfg}, whose main kernel transforms x itself")
         x, stride_xp, stride_xm = x2, 0, x2.stride(0)
-    elif mma and cfg.frag_x:  # whole row-block programs: rows rounded up to 16 per row block
-        rows = bm * triton.cdiv(m, bm)
-        x = fast_input_transform(f, x2, torch.float16, rows)
-        stride_xp, stride_xm = rows * f.padded_in, f.padded_in
     else:
-        x = xh if xh is not None else fast_input_transform(f, x2, plain_x_dtype(f, cfg))
-        stride_xp, stride_xm = m * f.padded_in, f.padded_in
+        x = xh if xh is not None else fast_input_transform(f, x2, *layout)
+        stride_xp, stride_xm = (layout[1] or m) * f.padded_in, f.padded_in
     steps, blocks_n, blocks_m = triton.cdiv(ti, cfg.tk), tj // cfg.tn, triton.cdiv(m, bm)
     want = triton.cdiv(cfg.programs_per_sm * _num_sms(x2.device), blocks_n * blocks_m)
     per = triton.cdiv(steps, max(1, min(steps, want)))
@@ -452,7 +440,8 @@ def fast_partials(f: EXL3Fused, x2: torch.Tensor, cfg: FastConfig, y: torch.Tens
         return out
     _fast_kernel[(blocks_n, splits, blocks_m)](
         x, f.suh, f.had, f.trellis.view(torch.int32), f.tile_part, out, m, ti, _tile_stride(f.trellis),
-        f.padded_out, f.in_features, per, stride_xp, stride_xm, f.suh.stride(0), IN_HAD=in_had, **consts, **pdl_kwargs(gpu_checked=False))
+        f.padded_out, f.in_features, per, stride_xp, stride_xm, f.suh.stride(0), IN_HAD=layout is None, **consts,
+        **pdl_kwargs(gpu_checked=False))
     return out
 
 

@@ -5,8 +5,10 @@ Why: at decode every EXL3 linear ran its input transform as a launch of its own
 (exl3_decode._in_kernel): 129 launches a token on the 8B shape, 548 of its 4,367 us
 (H100, 2026-12-07, scripts/gpu_overhead.py --profile), most of it launch and memory
 latency, not work. The norm before qkv / gate_up and the SiLU-and-mul before down already
-read those activations; here they write the transformed parts themselves, so a linear
-takes two launches instead of three (exl3_fast.run_layer_norm / run_layer_glu).
+read those activations; here they write the transformed parts themselves, in the layout the
+main kernel reads (x_layout: plain rows for one row, exl3_mma's fragment order for
+2-32), so a linear takes two launches instead of three (run_layer_norm / run_layer_glu; the
+decode attention does the same for o_proj at one row, paged_attention's ``xform``).
 
 Arithmetic: bit for bit the unfused kernels'. The norm's rstd is summed as
 rmsnorm._rms_norm_kernel sums it (the whole row in one tensor of the same block, on the
@@ -28,25 +30,36 @@ _HAD_SCALE = 0.08838834764831845  # 1 / sqrt(128), as _in_kernel
 
 
 @triton.jit
-def _transform_store(y, suh_ptr, out_ptr, part, row, cols, in_p, rows_p):
-    """out[part, row, cols] = had_r_128(y * suh[part, cols]) for one 128-block (y float32 [128])."""
-    v = y * tl.load(suh_ptr + part * in_p + cols).to(tl.float32)
-    h = tl.reshape(_fwht128(tl.reshape(v, (1, 128)), 1), (128,)) * 0.08838834764831845
-    tl.store(out_ptr + (part * rows_p + row) * in_p + cols, h.to(out_ptr.dtype.element_ty))
+def _transform_store(y, suh_ptr, out_ptr, part, row, blk, in_p, rows_p, FRAG: tl.constexpr):
+    """Row ``row`` of block ``blk`` of part ``part``: had_r_128(y * suh[part, block]) (y float32
+    [128]), at out[part, row, block], or with FRAG where exl3_decode._frag_offsets puts it."""
+    c = tl.arange(0, 128)
+    v = y * tl.load(suh_ptr + part * in_p + blk * 128 + c).to(tl.float32)
+    h = (tl.reshape(_fwht128(tl.reshape(v, (1, 128)), 1), (128,)) * 0.08838834764831845).to(out_ptr.dtype.element_ty)
+    base = out_ptr + (part * rows_p).to(tl.int64) * in_p
+    if FRAG:  # _frag_offsets' formula for the one row (r = row % 16 of row block row // 16)
+        r = row % 16
+        wd = (c % 16) // 2
+        word = (((row // 16) * (in_p // 16) + blk * 8 + c // 16) * 4 + r // 8 + 2 * (wd // 4)) * 32 + 4 * (r % 8) + wd % 4
+        tl.store(base + word.to(tl.int64) * 2 + c % 2, h)
+    else:
+        tl.store(base + row * in_p + blk * 128 + c, h)
 
 
 @triton.jit
 def _norm_in_kernel(x_ptr, res_ptr, w_ptr, suh_ptr, out_ptr, res_out_ptr, stride_x, stride_r, stride_ro,
-                    n_cols, in_p, rows_p, eps, BLOCK: tl.constexpr, HAS_RESIDUAL: tl.constexpr,
-                    PDL: tl.constexpr = False):
-    """Grid (rows, in_p / 128, parts). Part 0's programs also store the residual sum."""
+                    M, n_cols, in_p, rows_p, eps, BLOCK: tl.constexpr, HAS_RESIDUAL: tl.constexpr,
+                    FRAG: tl.constexpr = False, PDL: tl.constexpr = False):
+    """Grid (rows_p, in_p / 128, parts): rows past M (FRAG's padding to whole row blocks)
+    store zeros. Part 0's programs also store the residual sum."""
     pdl_begin(PDL)
     row = tl.program_id(0).to(tl.int64)
     blk = tl.program_id(1)
     part = tl.program_id(2)
+    live = row < M
     # rstd exactly as _rms_norm_kernel computes it: same loads, same [BLOCK] sum
     offs = tl.arange(0, BLOCK)
-    mask = offs < n_cols
+    mask = (offs < n_cols) & live
     x = tl.load(x_ptr + row * stride_x + offs, mask=mask, other=0.0)
     if HAS_RESIDUAL:
         r = tl.load(res_ptr + row * stride_r + offs, mask=mask, other=0.0)
@@ -55,7 +68,7 @@ def _norm_in_kernel(x_ptr, res_ptr, w_ptr, suh_ptr, out_ptr, res_out_ptr, stride
     rstd = 1.0 / tl.sqrt(tl.sum(xf * xf, 0) / n_cols + eps)
     # this program's block, elementwise as there (padding past n_cols: zeros)
     cols = blk * 128 + tl.arange(0, 128)
-    cmask = cols < n_cols
+    cmask = (cols < n_cols) & live
     xb = tl.load(x_ptr + row * stride_x + cols, mask=cmask, other=0.0)
     if HAS_RESIDUAL:
         rb = tl.load(res_ptr + row * stride_r + cols, mask=cmask, other=0.0)
@@ -64,21 +77,23 @@ def _norm_in_kernel(x_ptr, res_ptr, w_ptr, suh_ptr, out_ptr, res_out_ptr, stride
     normed = (xb.to(tl.float32) * rstd).to(x_ptr.dtype.element_ty)
     w = tl.load(w_ptr + cols, mask=cmask, other=0.0)
     y = (w.to(tl.float32) * normed.to(tl.float32)).to(x_ptr.dtype.element_ty)
-    _transform_store(y.to(tl.float32), suh_ptr, out_ptr, part, row, cols, in_p, rows_p)
+    y = tl.where(cmask, y.to(tl.float32), 0.0)  # a padding row's rstd may be inf (eps 0): 0, not NaN
+    _transform_store(y, suh_ptr, out_ptr, part, row, blk, in_p, rows_p, FRAG)
 
 
 @triton.jit
-def _glu_in_kernel(x_ptr, suh_ptr, out_ptr, stride_x, n_cols, in_p, rows_p, PDL: tl.constexpr = False):
-    """Grid (rows, in_p / 128, parts): silu(gate) * up of x [rows, 2 n_cols], as
-    activation._silu_and_mul_kernel computes it, then the transform."""
+def _glu_in_kernel(x_ptr, suh_ptr, out_ptr, stride_x, M, n_cols, in_p, rows_p, FRAG: tl.constexpr = False,
+                   PDL: tl.constexpr = False):
+    """Grid (rows_p, in_p / 128, parts): silu(gate) * up of x [M, 2 n_cols], as
+    activation._silu_and_mul_kernel computes it, then the transform (rows past M: zeros)."""
     pdl_begin(PDL)
     row = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * 128 + tl.arange(0, 128)
-    mask = cols < n_cols
+    mask = (cols < n_cols) & (row < M)
     gate = tl.load(x_ptr + row * stride_x + cols, mask=mask, other=0.0).to(tl.float32)
     up = tl.load(x_ptr + row * stride_x + n_cols + cols, mask=mask, other=0.0).to(tl.float32)
     y = (gate / (1.0 + tl.exp(-gate)) * up).to(x_ptr.dtype.element_ty)
-    _transform_store(y.to(tl.float32), suh_ptr, out_ptr, tl.program_id(2), row, cols, in_p, rows_p)
+    _transform_store(y.to(tl.float32), suh_ptr, out_ptr, tl.program_id(2), row, tl.program_id(1), in_p, rows_p, FRAG)
 
 
 def _rows(x: torch.Tensor) -> torch.Tensor:
@@ -87,9 +102,11 @@ def _rows(x: torch.Tensor) -> torch.Tensor:
 
 
 def norm_input_transform(suh: torch.Tensor, x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor,
-                         eps: float, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor | None]:
+                         eps: float, dtype: torch.dtype, frag_rows: int = 0
+                         ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """(had_r_128(pad(RMSNorm(x + residual)) * suh[p]) [parts, M, in_p] in ``dtype``, x + residual).
-    suh [parts, in_p]; x, residual [..., n] in one dtype, the norm weight too."""
+    suh [parts, in_p]; x, residual [..., n] in one dtype, the norm weight too. ``frag_rows``:
+    [parts, frag_rows, in_p] in fragment order instead (as fast_input_transform's)."""
     n = x.shape[-1]
     if weight.shape != (n,) or weight.dtype != x.dtype:
         raise ValueError(f"norm weight {tuple(weight.shape)}/{weight.dtype} for x [..., {n}]/{x.dtype}")
@@ -98,33 +115,45 @@ def norm_input_transform(suh: torch.Tensor, x: torch.Tensor, residual: torch.Ten
     parts, in_p = suh.shape
     x2 = _rows(x)
     m = x2.shape[0]
-    out = torch.empty(parts, m, in_p, dtype=dtype, device=x.device)
+    rows = _check_frag(frag_rows, m, dtype)
+    out = torch.empty(parts, rows, in_p, dtype=dtype, device=x.device)
     res_out = torch.empty_like(x, memory_format=torch.contiguous_format) if residual is not None else None
     r2 = _rows(residual) if residual is not None else x2
     ro2 = res_out.view(-1, n) if res_out is not None else x2
     if m:
         block = triton.next_power_of_2(n)
-        _norm_in_kernel[(m, in_p // HAD_SIZE, parts)](
-            x2, r2, weight, suh, out, ro2, x2.stride(0), r2.stride(0), ro2.stride(0), n, in_p, m, eps,
-            BLOCK=block, HAS_RESIDUAL=residual is not None,
+        _norm_in_kernel[(rows, in_p // HAD_SIZE, parts)](
+            x2, r2, weight, suh, out, ro2, x2.stride(0), r2.stride(0), ro2.stride(0), m, n, in_p, rows, eps,
+            BLOCK=block, HAS_RESIDUAL=residual is not None, FRAG=frag_rows > 0,
             num_warps=min(max(block // 512, 1), 16),  # rmsnorm._launch's: the same reduction order
             **pdl_kwargs(gpu_checked=False))
     return out, res_out
 
 
-def glu_input_transform(suh: torch.Tensor, gate_up: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """had_r_128(pad(silu(gate) * up) * suh[p]) [parts, M, in_p] for gate_up [..., 2 n]."""
+def glu_input_transform(suh: torch.Tensor, gate_up: torch.Tensor, dtype: torch.dtype,
+                        frag_rows: int = 0) -> torch.Tensor:
+    """had_r_128(pad(silu(gate) * up) * suh[p]) [parts, M, in_p] for gate_up [..., 2 n]
+    (``frag_rows``: as norm_input_transform's)."""
     if gate_up.shape[-1] % 2:
         raise ValueError(f"last dimension must be even (gate | up), got {gate_up.shape[-1]}")
     n = gate_up.shape[-1] // 2
     parts, in_p = suh.shape
     x2 = _rows(gate_up)
     m = x2.shape[0]
-    out = torch.empty(parts, m, in_p, dtype=dtype, device=gate_up.device)
+    rows = _check_frag(frag_rows, m, dtype)
+    out = torch.empty(parts, rows, in_p, dtype=dtype, device=gate_up.device)
     if m:
-        _glu_in_kernel[(m, in_p // HAD_SIZE, parts)](x2, suh, out, x2.stride(0), n, in_p, m, num_warps=1,
-                                                     **pdl_kwargs(gpu_checked=False))
+        _glu_in_kernel[(rows, in_p // HAD_SIZE, parts)](x2, suh, out, x2.stride(0), m, n, in_p, rows,
+                                                        FRAG=frag_rows > 0, num_warps=1,
+                                                        **pdl_kwargs(gpu_checked=False))
     return out
+
+
+def _check_frag(frag_rows: int, m: int, dtype: torch.dtype) -> int:
+    """The rows a part takes: m, or frag_rows (whole 16-row blocks of fp16, as exl3_mma reads them)."""
+    if frag_rows and (frag_rows % 16 or frag_rows < m or dtype != torch.float16):
+        raise ValueError(f"fragment order takes fp16 and whole 16-row blocks, got {frag_rows} rows for {m}, {dtype}")
+    return frag_rows or m
 
 
 def fast_input_transform(f, x2: torch.Tensor, dtype: torch.dtype, frag_rows: int = 0) -> torch.Tensor:
@@ -135,9 +164,7 @@ def fast_input_transform(f, x2: torch.Tensor, dtype: torch.dtype, frag_rows: int
     from trellm.kernels.exl3_fast import get_dispatch
 
     m = x2.shape[0]
-    rows = frag_rows or m
-    if frag_rows and (frag_rows % 16 or frag_rows < m or dtype != torch.float16):
-        raise ValueError(f"fragment order takes fp16 and whole 16-row blocks, got {frag_rows} rows for {m}, {dtype}")
+    rows = _check_frag(frag_rows, m, dtype)
     out = torch.empty(len(f.parts), rows, f.padded_in, dtype=dtype, device=x2.device)
     # FastDispatch.in_fwht: the Hadamard by butterflies, one row on one warp a 128-block
     fwht = get_dispatch().in_fwht
@@ -148,10 +175,27 @@ def fast_input_transform(f, x2: torch.Tensor, dtype: torch.dtype, frag_rows: int
     return out
 
 
+def x_layout(f, cfg, m: int) -> tuple[torch.dtype, int] | None:
+    """How cfg's main kernel reads the transformed x of m rows: (dtype, frag rows), [parts, M,
+    in_p] for 0 frag rows, else [parts, frag rows, in_p] in fragment order (frag_x); None: it
+    transforms the raw x itself (in_had)."""
+    from trellm.kernels import exl3_mma
+    from trellm.kernels.exl3_fast import _mma_applies, split_fallback
+
+    mma = _mma_applies(f, cfg)
+    if cfg.dot and cfg.in_had and not cfg.split:
+        return None
+    if mma and cfg.frag_x:  # whole row-block programs: rows rounded up to 16 per row block
+        bm = 16 * exl3_mma.row_blocks(cfg, m)
+        return torch.float16, bm * triton.cdiv(m, bm)
+    return (torch.float16 if mma or (split_fallback(cfg) if cfg.mma else cfg).dot else torch.float32), 0
+
+
 def _fused_plan(layer, m: int, n_in: int):
-    """(f, cfg, dtype) where the layer's linear can take x transformed by the kernel before
-    it, else None: one fused group, the decode dispatch (not prefill's reconstruct), a main
-    kernel that reads the plain transformed layout, butterflies on (FastDispatch.fuse_in)."""
+    """(f, cfg, dtype, frag rows) where the layer's linear can take x transformed by the kernel
+    before it (x_layout), else None: one fused group, the decode dispatch (not
+    prefill's reconstruct), a main kernel that reads a transformed x (not in_had), butterflies
+    on (FastDispatch.fuse_in)."""
     from trellm.kernels import exl3_fast
 
     d = exl3_fast.get_dispatch()
@@ -161,8 +205,8 @@ def _fused_plan(layer, m: int, n_in: int):
     if not isinstance(f, exl3_fast.EXL3Fused) or f.in_features != n_in:
         return None
     cfg = exl3_fast.choose_config(m, d, f.bits)
-    dtype = exl3_fast.plain_x_dtype(f, cfg)
-    return None if dtype is None else (f, cfg, dtype)
+    layout = x_layout(f, cfg, m)
+    return None if layout is None else (f, cfg, *layout)
 
 
 def _linear(f, cfg, x2: torch.Tensor, xh: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
@@ -182,8 +226,8 @@ def run_layer_norm(layer, x: torch.Tensor, residual: torch.Tensor | None, weight
     plan = _fused_plan(layer, _nrows(x), x.shape[-1])
     if plan is None or weight.dtype != x.dtype:
         return None
-    f, cfg, xdt = plan
-    xh, res = norm_input_transform(f.suh, x, residual, weight, eps, xdt)
+    f, cfg, xdt, frag = plan
+    xh, res = norm_input_transform(f.suh, x, residual, weight, eps, xdt, frag)
     y = _linear(f, cfg, _rows(x), xh, x.dtype)
     return y.reshape(*x.shape[:-1], f.out_features), (x if residual is None else res)
 
@@ -193,8 +237,8 @@ def run_layer_glu(layer, gate_up: torch.Tensor):
     plan = _fused_plan(layer, _nrows(gate_up), gate_up.shape[-1] // 2)
     if plan is None or gate_up.shape[-1] % 2:
         return None
-    f, cfg, xdt = plan
-    xh = glu_input_transform(f.suh, gate_up, xdt)
+    f, cfg, xdt, frag = plan
+    xh = glu_input_transform(f.suh, gate_up, xdt, frag)
     y = _linear(f, cfg, _rows(gate_up), xh, gate_up.dtype)
     return y.reshape(*gate_up.shape[:-1], f.out_features)
 
@@ -205,7 +249,7 @@ def layer_input_transform(layer, rows: int):
     from trellm.quant.base import InputTransform
 
     plan = _fused_plan(layer, rows, layer.in_features)
-    if plan is None or len(plan[0].parts) != 1:
+    if plan is None or len(plan[0].parts) != 1 or plan[3]:  # the attention writes no fragment order
         return None
     return InputTransform(plan[0].suh[0], plan[2])
 
@@ -213,7 +257,7 @@ def layer_input_transform(layer, rows: int):
 def run_layer_transformed(layer, x: torch.Tensor, xh: torch.Tensor) -> torch.Tensor:
     """The layer's output from x [..., in] and xh [rows, in_p] as layer_input_transform
     asked for it."""
-    f, cfg, _ = _fused_plan(layer, _nrows(x), x.shape[-1])
+    f, cfg, _, _ = _fused_plan(layer, _nrows(x), x.shape[-1])
     x2 = _rows(x)
     y = _linear(f, cfg, x2, xh.view(1, x2.shape[0], f.padded_in), x.dtype)
     return y.reshape(*x.shape[:-1], f.out_features)
