@@ -14,9 +14,9 @@ Arithmetic: bit for bit the unfused kernels'. The norm's rstd is summed as
 rmsnorm._rms_norm_kernel sums it (the whole row in one tensor of the same block, on the
 same number of warps, so the same reduction order), the normed value and the SiLU product
 are rounded to the activation dtype as there, then _in_kernel's butterflies
-(exl3_decode._fwht128; FastDispatch.in_fwht). A program takes one row, one 128-block and
-one part; the norm's programs each sum their row again (a 4096-wide row is 8 KB, read
-from L2) rather than wait for one another.
+(exl3_decode._fwht128; FastDispatch.in_fwht). A program takes one row and one 128-block
+(the norm's: of every part); the norm's programs each sum their row again (a 4096-wide
+row is 8 KB, read from L2) rather than wait for one another.
 """
 from __future__ import annotations
 
@@ -48,14 +48,14 @@ def _transform_store(y, suh_ptr, out_ptr, part, row, blk, in_p, rows_p, FRAG: tl
 
 @triton.jit
 def _norm_in_kernel(x_ptr, res_ptr, w_ptr, suh_ptr, out_ptr, res_out_ptr, stride_x, stride_r, stride_ro,
-                    M, n_cols, in_p, rows_p, eps, BLOCK: tl.constexpr, HAS_RESIDUAL: tl.constexpr,
+                    M, n_cols, in_p, rows_p, parts, eps, BLOCK: tl.constexpr, HAS_RESIDUAL: tl.constexpr,
                     FRAG: tl.constexpr = False, PDL: tl.constexpr = False):
-    """Grid (rows_p, in_p / 128, parts): rows past M (FRAG's padding to whole row blocks)
-    store zeros. Part 0's programs also store the residual sum."""
+    """Grid (rows_p, in_p / 128): a program sums its row once and writes its block of every
+    part (a program a part would read the row once a part: at 32 rows of qkv, 3 x 1,024 row
+    reads). Rows past M (FRAG's padding to whole row blocks) store zeros."""
     pdl_begin(PDL)
     row = tl.program_id(0).to(tl.int64)
     blk = tl.program_id(1)
-    part = tl.program_id(2)
     live = row < M
     # rstd exactly as _rms_norm_kernel computes it: same loads, same [BLOCK] sum
     offs = tl.arange(0, BLOCK)
@@ -73,12 +73,13 @@ def _norm_in_kernel(x_ptr, res_ptr, w_ptr, suh_ptr, out_ptr, res_out_ptr, stride
     if HAS_RESIDUAL:
         rb = tl.load(res_ptr + row * stride_r + cols, mask=cmask, other=0.0)
         xb = (xb.to(tl.float32) + rb.to(tl.float32)).to(res_out_ptr.dtype.element_ty)
-        tl.store(res_out_ptr + row * stride_ro + cols, xb, mask=cmask & (part == 0))
+        tl.store(res_out_ptr + row * stride_ro + cols, xb, mask=cmask)
     normed = (xb.to(tl.float32) * rstd).to(x_ptr.dtype.element_ty)
     w = tl.load(w_ptr + cols, mask=cmask, other=0.0)
     y = (w.to(tl.float32) * normed.to(tl.float32)).to(x_ptr.dtype.element_ty)
     y = tl.where(cmask, y.to(tl.float32), 0.0)  # a padding row's rstd may be inf (eps 0): 0, not NaN
-    _transform_store(y, suh_ptr, out_ptr, part, row, blk, in_p, rows_p, FRAG)
+    for part in range(parts):
+        _transform_store(y, suh_ptr, out_ptr, part, row, blk, in_p, rows_p, FRAG)
 
 
 @triton.jit
@@ -122,8 +123,8 @@ def norm_input_transform(suh: torch.Tensor, x: torch.Tensor, residual: torch.Ten
     ro2 = res_out.view(-1, n) if res_out is not None else x2
     if m:
         block = triton.next_power_of_2(n)
-        _norm_in_kernel[(rows, in_p // HAD_SIZE, parts)](
-            x2, r2, weight, suh, out, ro2, x2.stride(0), r2.stride(0), ro2.stride(0), m, n, in_p, rows, eps,
+        _norm_in_kernel[(rows, in_p // HAD_SIZE)](
+            x2, r2, weight, suh, out, ro2, x2.stride(0), r2.stride(0), ro2.stride(0), m, n, in_p, rows, parts, eps,
             BLOCK=block, HAS_RESIDUAL=residual is not None, FRAG=frag_rows > 0,
             num_warps=min(max(block // 512, 1), 16),  # rmsnorm._launch's: the same reduction order
             **pdl_kwargs(gpu_checked=False))
