@@ -367,11 +367,16 @@ def _frag_offsets(rb, cb, in_p):
     goes to word ((rb TI + tk) 4 + h + 2 q) 32 + 4 g + t, half i (TI = in_p / 16 tile rows):
     register a0..a3 (h + 2 q) of lane 4 g + t, so a warp reads each register as 128
     contiguous bytes (exl3_mma's FRAG loads)."""
-    r = tl.arange(0, 16)[:, None]
-    c = tl.arange(0, 128)[None, :]
-    tk = cb * 8 + c // 16
+    return _frag_elems(16 * rb + tl.arange(0, 16)[:, None], tl.arange(0, 128)[None, :], cb, in_p)
+
+
+@triton.jit
+def _frag_elems(row, c, cb, in_p):
+    """``_frag_offsets``' element offsets for rows ``row`` and columns ``c`` (< 128) of 128-column
+    block cb, any shapes that broadcast (exl3_prologue stores one row at a time)."""
+    r = row % 16
     wd = (c % 16) // 2
-    word = ((rb * (in_p // 16) + tk) * 4 + r // 8 + 2 * (wd // 4)) * 32 + 4 * (r % 8) + wd % 4
+    word = (((row // 16) * (in_p // 16) + cb * 8 + c // 16) * 4 + r // 8 + 2 * (wd // 4)) * 32 + 4 * (r % 8) + wd % 4
     return word.to(tl.int64) * 2 + c % 2
 
 

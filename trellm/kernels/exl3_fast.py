@@ -475,12 +475,19 @@ def fast_matmul(f: EXL3Fused, x: torch.Tensor, cfg: FastConfig | None = None,
     if cfg is None and m >= d.reconstruct_min_rows:
         return fast_prefill(f, x2, d.reconstruct_cols, x.dtype).reshape(*x.shape[:-1], f.out_features)
     cfg = cfg or choose_config(m, d, f.bits)
+    return fast_linear(f, cfg, x2, None, x.dtype).reshape(*x.shape[:-1], f.out_features)
+
+
+def fast_linear(f: EXL3Fused, cfg: FastConfig, x2: torch.Tensor, xh: torch.Tensor | None,
+                dtype: torch.dtype) -> torch.Tensor:
+    """[M, out_features] in dtype: the main kernel, the output transform in it where it can
+    (``_can_fuse``), else after it; ``xh`` as fast_partials'."""
+    m = x2.shape[0]
     if _can_fuse(f, cfg, m):
-        y = torch.empty(m, f.out_features, dtype=x.dtype, device=x.device)
-        fast_partials(f, x2, cfg, y)
-        return y.reshape(*x.shape[:-1], f.out_features)
-    part = fast_partials(f, x2, cfg)
-    return fast_output_transform(f, part, x.dtype).reshape(*x.shape[:-1], f.out_features)
+        y = torch.empty(m, f.out_features, dtype=dtype, device=x2.device)
+        fast_partials(f, x2, cfg, y, xh=xh)
+        return y
+    return fast_output_transform(f, fast_partials(f, x2, cfg, xh=xh), dtype)
 
 
 def _mma_applies(f: EXL3Fused, cfg: FastConfig) -> bool:

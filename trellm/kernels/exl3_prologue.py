@@ -23,11 +23,8 @@ from __future__ import annotations
 import torch
 
 from trellm.kernels._triton import tl, triton, pdl_begin, pdl_kwargs
-from trellm.kernels.exl3_decode import _fwht128, _in_kernel
+from trellm.kernels.exl3_decode import _frag_elems, _fwht128, _in_kernel
 from trellm.quant.exl3.hadamard import HAD_SIZE, had_r_128
-
-_HAD_SCALE = 0.08838834764831845  # 1 / sqrt(128), as _in_kernel
-
 
 @triton.jit
 def _transform_store(y, suh_ptr, out_ptr, part, row, blk, in_p, rows_p, FRAG: tl.constexpr):
@@ -37,11 +34,8 @@ def _transform_store(y, suh_ptr, out_ptr, part, row, blk, in_p, rows_p, FRAG: tl
     v = y * tl.load(suh_ptr + part * in_p + blk * 128 + c).to(tl.float32)
     h = (tl.reshape(_fwht128(tl.reshape(v, (1, 128)), 1), (128,)) * 0.08838834764831845).to(out_ptr.dtype.element_ty)
     base = out_ptr + (part * rows_p).to(tl.int64) * in_p
-    if FRAG:  # _frag_offsets' formula for the one row (r = row % 16 of row block row // 16)
-        r = row % 16
-        wd = (c % 16) // 2
-        word = (((row // 16) * (in_p // 16) + blk * 8 + c // 16) * 4 + r // 8 + 2 * (wd // 4)) * 32 + 4 * (r % 8) + wd % 4
-        tl.store(base + word.to(tl.int64) * 2 + c % 2, h)
+    if FRAG:
+        tl.store(base + _frag_elems(row, c, blk, in_p), h)
     else:
         tl.store(base + row * in_p + blk * 128 + c, h)
 
@@ -210,37 +204,30 @@ def _fused_plan(layer, m: int, n_in: int):
     return None if layout is None else (f, cfg, *layout)
 
 
-def _linear(f, cfg, x2: torch.Tensor, xh: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    from trellm.kernels import exl3_fast
-
-    m = x2.shape[0]
-    if exl3_fast._can_fuse(f, cfg, m):
-        y = torch.empty(m, f.out_features, dtype=dtype, device=x2.device)
-        exl3_fast.fast_partials(f, x2, cfg, y, xh=xh)
-        return y
-    return exl3_fast.fast_output_transform(f, exl3_fast.fast_partials(f, x2, cfg, xh=xh), dtype)
-
-
 def run_layer_norm(layer, x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor, eps: float):
     """(linear(RMSNorm(x + residual)), x + residual) with the transform in the norm's launch
     (residual None: x is the residual), or None where the plain path must run."""
+    from trellm.kernels import exl3_fast
+
     plan = _fused_plan(layer, _nrows(x), x.shape[-1])
     if plan is None or weight.dtype != x.dtype:
         return None
     f, cfg, xdt, frag = plan
     xh, res = norm_input_transform(f.suh, x, residual, weight, eps, xdt, frag)
-    y = _linear(f, cfg, _rows(x), xh, x.dtype)
+    y = exl3_fast.fast_linear(f, cfg, _rows(x), xh, x.dtype)
     return y.reshape(*x.shape[:-1], f.out_features), (x if residual is None else res)
 
 
 def run_layer_glu(layer, gate_up: torch.Tensor):
     """linear(silu(gate) * up) with the transform in the SiLU-and-mul launch, or None."""
+    from trellm.kernels import exl3_fast
+
     plan = _fused_plan(layer, _nrows(gate_up), gate_up.shape[-1] // 2)
     if plan is None or gate_up.shape[-1] % 2:
         return None
     f, cfg, xdt, frag = plan
     xh = glu_input_transform(f.suh, gate_up, xdt, frag)
-    y = _linear(f, cfg, _rows(gate_up), xh, gate_up.dtype)
+    y = exl3_fast.fast_linear(f, cfg, _rows(gate_up), xh, gate_up.dtype)
     return y.reshape(*gate_up.shape[:-1], f.out_features)
 
 
@@ -258,9 +245,11 @@ def layer_input_transform(layer, rows: int):
 def run_layer_transformed(layer, x: torch.Tensor, xh: torch.Tensor) -> torch.Tensor:
     """The layer's output from x [..., in] and xh [rows, in_p] as layer_input_transform
     asked for it."""
+    from trellm.kernels import exl3_fast
+
     f, cfg, _, _ = _fused_plan(layer, _nrows(x), x.shape[-1])
     x2 = _rows(x)
-    y = _linear(f, cfg, x2, xh.view(1, x2.shape[0], f.padded_in), x.dtype)
+    y = exl3_fast.fast_linear(f, cfg, x2, xh.view(1, x2.shape[0], f.padded_in), x.dtype)
     return y.reshape(*x.shape[:-1], f.out_features)
 
 

@@ -244,10 +244,12 @@ class EXL3LinearMethod(LinearMethod):
         prepared = None if self.dense else getattr(layer, "exl3_layer_kernel", None)
         if prepared is None or prepared[0].input_transform is None or prepared[0].run_transformed is None:
             return None
+        spec = prepared[0].input_transform(prepared[1], rows)
         # the layer kernel must take such an x at all, as apply asks it (a 0-row stand-in)
-        if not prepared[0].supports(prepared[1], torch.empty(0, layer.in_features, dtype=dtype, device=device)):
+        if spec is None or not prepared[0].supports(prepared[1], torch.empty(0, layer.in_features, dtype=dtype,
+                                                                              device=device)):
             return None
-        return prepared[0].input_transform(prepared[1], rows)
+        return spec
 
     def apply_transformed(self, layer, x, xh):
         prepared = layer.exl3_layer_kernel
