@@ -6,8 +6,9 @@ docs/benchmarks/gpu/README.md), to compare variants before a device run.
     TRITON_INTERPRET=1 TRELLM_RECORD_LAUNCHES=/tmp/l.jsonl python -m pytest tests/kernels/test_exl3_kernels.py -k mma
     python scripts/sass_stats.py /tmp/l.jsonl --only _mma_kernel --where K=4 --where AFF=true
 
-Per distinct launch: its constexprs, the instruction count, and each loop's (a backward
-branch's) body size with its opcode histogram for the largest.
+Per distinct launch: its constexprs, the instruction count, the registers a thread takes
+(which bound the warps an SM holds), and each loop's (a backward branch's) body size with
+its opcode histogram for the largest.
 """
 from __future__ import annotations
 
@@ -31,7 +32,7 @@ def main() -> None:
     ap.add_argument("--limit", type=int, default=4)
     ap.add_argument("--capability", type=int, default=90)
     a = ap.parse_args()
-    from trellm.kernels.compile_check import loops, opcode, sass_of, with_overrides
+    from trellm.kernels.compile_check import loops, opcode, registers_of, sass_of, with_overrides
 
     want = {k: json.loads(v) for k, v in (w.split("=", 1) for w in a.where)}
     override = {k: json.loads(v) for k, v in (w.split("=", 1) for w in a.set)}
@@ -49,8 +50,8 @@ def main() -> None:
         rows = sass_of(key, a.capability)
         instrs = [text for label, text in rows if not label]
         spans = loops(rows)
-        print(f"\n{kernel} {dict(consts)} {dict(opts)}: {len(instrs)} instructions; loop bodies "
-              f"{[hi - lo + 1 for lo, hi in spans]}")
+        print(f"\n{kernel} {dict(consts)} {dict(opts)}: {len(instrs)} instructions, {registers_of(key, a.capability)} "
+              f"registers a thread; loop bodies {[hi - lo + 1 for lo, hi in spans]}")
         if spans:
             lo, hi = spans[-1]
             ops = collections.Counter(opcode(t) for t in instrs[lo:hi + 1])

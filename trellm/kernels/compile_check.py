@@ -128,6 +128,27 @@ def compile_launch(key: str, capability: int = 90) -> str | None:
     return None
 
 
+def registers_of(key: str, capability: int = 90) -> int | None:
+    """Registers a thread of the recorded launch takes (``cuobjdump -res-usage`` on its
+    cubin; the cuobjdump in Triton's wheel), None where that tool is missing."""
+    import os
+    import re
+    import subprocess
+    import tempfile
+
+    import triton
+
+    tool = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
+    if not os.path.exists(tool):
+        return None
+    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
+        f.write(_compile(key, capability).asm["cubin"])
+        f.flush()
+        out = subprocess.run([tool, "-res-usage", f.name], capture_output=True, text=True).stdout
+    found = re.search(r"REG:(\d+)", out)
+    return int(found.group(1)) if found else None
+
+
 def sass_of(key: str, capability: int = 90) -> list[tuple[str, str]]:
     """The recorded launch's SASS as (label or "", instruction) rows, labels on their own
     rows (Triton's disassembler: control codes, a tab, the instruction; "LBB3:" labels)."""
