@@ -97,43 +97,37 @@ norm_checks() {  # $1: kernel-test limit (0: none), $2: correctness limit, $3: A
     timeout $(( $3 + 10 )) python3 scripts/gpu_pdl_ab.py --configs .gpu --out "$out/ab" --budget "$3" --repeats "$4" \
         --variants base,norm-forcenorm 2>&1 | tail -5
 }
-exl3_ab() {  # $1: limit per run. EXL3 4.0 bpw engine: defaults (the head on exl3_mma), the head
-    # and K 5-6 back on the split kernels (--no-wide-mma), 2-32 rows on the fx / block_m 32 variant.
-    local lim=$1 tag run
-    for run in "default" "nowide --no-wide-mma" "fx32 --gemv mma-8x2-aff-pps8-bm32-fo-fx --gemv-max-rows 32"; do
-        set -- $run; tag=$1; shift
-        mkdir -p "$out/exl3-$tag"
-        timeout "$lim" python3 scripts/gpu_exl3_check.py --out "$out/exl3-$tag" --stages engine --budget $((lim - 10)) \
-            --engines "exl3 4" "$@" 2>&1 | tail -2
-    done
-}
-rf_ab() {  # $1: limit per run. EXL3 4.0 bpw engine: the defaults, the ones before the row
-    # kernel's fused output transform, frag_x and the one-row input transform by butterflies
-    # (in_fwht), and the defaults with only in_fwht off; then their greedy tokens compared.
-    local lim=$1 tag run
-    for run in "new" "old --one-row row-8x4-asm-aff --gemv mma-8x2-aff-pps8-fo --gemv-max-rows 32 --no-in-fwht" \
-        "dot --no-in-fwht"; do
-        set -- $run; tag=$1; shift
-        mkdir -p "$out/exl3-$tag"
-        timeout "$lim" python3 scripts/gpu_exl3_check.py --out "$out/exl3-$tag" --stages engine --budget $((lim - 10)) \
-            --engines "exl3 4" "$@" 2>&1 | tail -2
-    done
-    python3 scripts/tokens_diff.py "$out/exl3-new/gpu-exl3.json" "$out/exl3-old/gpu-exl3.json" \
-        "$out/exl3-dot/gpu-exl3.json" 2>&1 | tail -14
-}
-fi_ab() {  # $1: limit per run. EXL3 4.0 bpw engine: the defaults (the input transform in the
-    # norm / SiLU launch, FastDispatch.fuse_in), fuse_in off, in_fwht off (the dot, which
-    # turns fuse_in off too), then the defaults with PDL on for every kernel (TRELLM_PDL=1);
-    # their greedy tokens compared.
-    local lim=$1 tag run pdl runs=("new" "nofuse --no-fuse-in" "dot --no-in-fwht" "pdl")
-    [ "${FI_SHORT:-0}" = 1 ] && runs=("new" "nofuse --no-fuse-in")
-    for run in "${runs[@]}"; do
+engine_runs() {  # $1: limit per run, then "tag [gpu_exl3_check.py flags]" runs: the EXL3 4.0 bpw
+    # engine once per run into $out/exl3-<tag> (tag pdl: with TRELLM_PDL=1, every kernel).
+    local lim=$1 tag run pdl
+    shift
+    for run in "$@"; do
         set -- $run; tag=$1; shift
         pdl=$([ "$tag" = pdl ] && echo 1 || echo auto)
         mkdir -p "$out/exl3-$tag"
         TRELLM_PDL=$pdl timeout "$lim" python3 scripts/gpu_exl3_check.py --out "$out/exl3-$tag" --stages engine \
             --budget $((lim - 10)) --engines "exl3 4" "$@" 2>&1 | tail -2
     done
+}
+exl3_ab() {  # $1: limit per run. Defaults (the head on exl3_mma), the head and K 5-6 back on the
+    # split kernels (--no-wide-mma), 2-32 rows on the fx / block_m 32 variant.
+    engine_runs "$1" "default" "nowide --no-wide-mma" "fx32 --gemv mma-8x2-aff-pps8-bm32-fo-fx --gemv-max-rows 32"
+}
+rf_ab() {  # $1: limit per run. The defaults, the ones before the row kernel's fused output
+    # transform, frag_x and the one-row input transform by butterflies (in_fwht), and the
+    # defaults with only in_fwht off; then their greedy tokens compared.
+    engine_runs "$1" "new" "old --one-row row-8x4-asm-aff --gemv mma-8x2-aff-pps8-fo --gemv-max-rows 32 --no-in-fwht" \
+        "dot --no-in-fwht"
+    python3 scripts/tokens_diff.py "$out"/exl3-{new,old,dot}/gpu-exl3.json 2>&1 | tail -14
+}
+fi_ab() {  # $1: limit per run. The defaults (the input transform in the norm / SiLU launch,
+    # FastDispatch.fuse_in), fuse_in off, in_fwht off (the dot, which turns fuse_in off too),
+    # then the defaults with PDL on for every kernel; their greedy tokens compared.
+    if [ "${FI_SHORT:-0}" = 1 ]; then
+        engine_runs "$1" "new" "nofuse --no-fuse-in"
+    else
+        engine_runs "$1" "new" "nofuse --no-fuse-in" "dot --no-in-fwht" "pdl"
+    fi
     python3 scripts/tokens_diff.py "$out"/exl3-{new,nofuse,dot,pdl}/gpu-exl3.json 2>&1 | tail -24
 }
 rf_sweep() {  # $1: limit
